@@ -1,0 +1,55 @@
+"""`kvgate` command line: one entry point, one module per subcommand.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their subcommand runs, so the
+serving path (`kvgate serve`) never imports the load-test harness or the simulator.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+# name -> (module path, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("gateway.serve_cmd", "run the gateway (OpenAI-compatible endpoint)"),
+    "sim": ("loadtest.simulator.cli", "run simulated SGLang replicas"),
+    "demo": ("loadtest.demo", "simulated fleet + gateway + real sessions, policies side by side"),
+    "loadtest": ("loadtest.cli", "replay a workload against an OpenAI-compatible endpoint"),
+    "simulate": ("loadtest.simulate_cmd", "simulate a whole fleet over a trace in virtual time"),
+    "bench": ("loadtest.bench_cmd", "benchmarks (peers, gateway overhead, index, simulator)"),
+    "drain": ("replicas.drain_cmd", "ask a gateway to drain a replica and wait (preStop hook)"),
+    "sglang-args": ("replicas.sglang_args", "generate SGLang launch arguments from a replica profile"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description="Cache-aware LLM inference gateway")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # arguments are added lazily (see main) so that --help of one command does not
+        # import every other one
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        args = parser.parse_args(argv)
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub_parser = argparse.ArgumentParser(prog=f"kvgate {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(argv[1:])
+    result: int = module.run(args)
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""The contract of a prefix index backend (embedded and Redis implement the same one).
+
+Vocabulary
+- A *block* is a run of the request's canonical text of ``block_chars`` characters
+  (~64 tokens' worth). Its ``BlockHash`` is chained: block k's hash covers blocks 0..k,
+  so "replica R holds block k" implies "R holds the whole prefix up to k".
+- Per replica the index keeps an LRU of blocks split into two estimated tiers, device
+  (GPU KV pool) and host (HiCache), sized from what the replica reports. Recording a
+  chain puts it at the device MRU end; device overflow demotes LRU blocks to host; host
+  overflow drops them.
+- The *session table* maps a session key (header or ``user``) to the replica that
+  served its last turn, with the turn's size, so policies can honour affinity and
+  account for each replica's resident working set (sessions between turns).
+
+All methods are async so the Redis backend can implement them without blocking; the
+embedded backend answers without awaiting anything. Backends never raise on unknown
+replicas or sessions: they return empty answers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NewType, Protocol, Sequence, runtime_checkable
+
+ReplicaId = NewType("ReplicaId", str)
+"""A replica's URL exactly as configured (e.g. ``http://127.0.0.1:31001``)."""
+
+BlockHash = int
+"""Unsigned 64-bit chained block hash."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How much of a request's block chain one replica holds, as a contiguous prefix.
+
+    ``device_blocks + host_blocks`` is the length of the longest matched prefix; of
+    those, ``host_blocks`` are estimated to sit in the host tier (load cost instead of
+    recompute).
+    """
+
+    device_blocks: int = 0
+    host_blocks: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.device_blocks + self.host_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCapacity:
+    """Capacity of one replica's cache, in blocks (the gateway converts from tokens)."""
+
+    device_blocks: int
+    host_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEntry:
+    """The last routing of a session: where, how big (in estimated tokens), when."""
+
+    replica: ReplicaId
+    tokens: int
+    last_seen_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """Sizes for metrics: blocks held per replica (device, host) and session count."""
+
+    device_blocks: dict[ReplicaId, int] = field(default_factory=dict)
+    host_blocks: dict[ReplicaId, int] = field(default_factory=dict)
+    sessions: int = 0
+
+
+@runtime_checkable
+class PrefixIndex(Protocol):
+    """One interface, two backends; one contract test suite runs against both."""
+
+    async def match(
+        self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]
+    ) -> dict[ReplicaId, PrefixMatch]:
+        """Longest matched prefix of ``hashes`` for each of ``replicas``.
+
+        Every replica asked for appears in the answer (``PrefixMatch()`` when nothing
+        matches). Pure read: does not touch LRU order.
+        """
+        ...
+
+    async def record(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
+        """The replica now holds this chain (called after routing: predict-on-route).
+
+        Moves the chain to the device MRU end, demoting/evicting per capacity.
+        """
+        ...
+
+    async def truncate(self, replica: ReplicaId, hashes: Sequence[BlockHash], keep_blocks: int) -> None:
+        """Feedback: the replica really held only ``keep_blocks`` of this chain.
+
+        Forget this replica's blocks ``hashes[keep_blocks:]``.
+        """
+        ...
+
+    async def set_capacity(self, replica: ReplicaId, capacity: ReplicaCapacity) -> None:
+        """Size (or resize) a replica's LRU; evicts if it shrank. Adds the replica."""
+        ...
+
+    async def remove_replica(self, replica: ReplicaId) -> None:
+        """Forget everything about a replica (its blocks and the sessions pointing at it)."""
+        ...
+
+    async def get_session(self, key: str) -> SessionEntry | None:
+        """The session's last routing, or None (unknown or expired)."""
+        ...
+
+    async def set_session(self, key: str, entry: SessionEntry) -> None:
+        """Remember a session's routing (expires after the backend's session TTL)."""
+        ...
+
+    async def resident_tokens(self, now_s: float, window_s: float) -> dict[ReplicaId, int]:
+        """Per replica, the summed ``tokens`` of sessions seen within ``window_s``.
+
+        The *resident working set*: KV of sessions between turns that will come back.
+        """
+        ...
+
+    async def stats(self) -> IndexStats:
+        ...
+
+    async def close(self) -> None:
+        ...

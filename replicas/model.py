@@ -1,0 +1,57 @@
+"""Values describing replicas, shared by the registry (writer) and policies (readers)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from prefix_index.base import ReplicaId
+
+
+class ReplicaState(str, enum.Enum):
+    """Lifecycle: joining -> active <-> unhealthy; active -> draining -> removed."""
+
+    JOINING = "joining"
+    ACTIVE = "active"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """A frozen snapshot of one replica, as policies see it at decision time.
+
+    Load figures combine the gateway's own accounting (exact, immediate: a decision
+    counts the moment it is made) with what the replica last reported on ``/v1/loads``
+    (complete but stale by up to one poll interval).
+    """
+
+    id: ReplicaId
+    state: ReplicaState
+    # capacity, from /server_info (tokens)
+    device_tokens: int = 0
+    host_tokens: int = 0
+    page_size: int = 64
+    max_running_requests: int = 0  # 0 = unknown
+    # the gateway's own accounting
+    in_flight: int = 0  # requests routed here and not finished
+    pending_prefill_tokens: int = 0  # predicted uncached tokens of requests not yet at first byte
+    decoding: int = 0  # requests that are streaming output
+    # what the replica reports on /v1/loads (0 when unknown)
+    reported_running: int = 0
+    reported_waiting: int = 0
+    reported_waiting_uncached_tokens: int = 0
+    reported_token_usage: float = 0.0
+    # bookkeeping
+    added_at_s: float = 0.0  # monotonic time the replica joined (new replicas get new sessions first)
+    drain_deadline_s: float | None = None
+    removal_candidate: bool = False  # scale-in chose this replica: steer its sessions away
+
+    @property
+    def routable(self) -> bool:
+        """May receive requests of sessions it already serves."""
+        return self.state is ReplicaState.ACTIVE
+
+    @property
+    def accepts_new_sessions(self) -> bool:
+        return self.state is ReplicaState.ACTIVE and not self.removal_candidate

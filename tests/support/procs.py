@@ -1,0 +1,96 @@
+"""Real processes for integration tests: free ports, start/stop, wait for HTTP.
+
+Every wait has a timeout; every process started is killed at teardown.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_http(url: str, timeout_s: float = 20.0, ok: Sequence[int] = (200,)) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=1.0)
+            if r.status_code in ok:
+                return
+            last = r.status_code
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s (last: {last!r})")
+
+
+class Proc:
+    """A child process with its output captured to a log file."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.log_path = log_path
+        full_env = dict(os.environ)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if env:
+            full_env.update(env)
+        self._log = open(log_path, "wb")
+        self.popen = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT),
+            start_new_session=True,
+        )
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def running(args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[Proc]:
+    proc = Proc(args, log_path, env)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def kvgate_cmd(*args: str) -> list[str]:
+    """The `kvgate` CLI run with this interpreter (works without the console script)."""
+    return [sys.executable, "-m", "gateway.cli", *args]
