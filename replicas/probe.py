@@ -1,0 +1,225 @@
+"""HTTP calls to a replica, and parsers for what SGLang answers.
+
+Every function takes the process's one shared ``httpx.AsyncClient`` and never raises
+for an unreachable or misbehaving replica: it returns a result the registry can act
+on. Parsers are pure and tested against bodies shaped like SGLang 0.5.23's
+(/work/shared/reference/sglang-0.5.23-contract.md §1.2, §1.4, §1.5).
+
+- ``probe_readiness``: ``GET /ready`` (SGLang >= 0.5.22: 200 ready, 503 starting,
+  paused or SIGTERM-draining). A 404 means an older SGLang: the caller switches the
+  replica to ``GET /health`` for good (200 healthy; 503 is a failure there, because
+  old releases cannot tell "draining" from "broken").
+- ``fetch_capacity``: ``GET /server_info`` (``/get_server_info`` on 404).
+- ``fetch_loads``: ``GET /v1/loads?include=core``; None when unavailable (404 on old
+  releases, errors).
+- ``fetch_models``: ``GET /v1/models`` cards.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from replicas.health import HealthEvent
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_HICACHE_RATIO = 2.0  # SGLang's default in `cache` host-memory mode
+_BUFFER_ONLY_HICACHE_RATIO = 1.2
+
+
+class ReadyPath(str, enum.Enum):
+    READY = "/ready"
+    HEALTH = "/health"
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """KV capacity of a whole replica (all DP ranks), in tokens."""
+
+    device_tokens: int = 0
+    host_tokens: int = 0
+    page_size: int = 64
+    max_running_requests: int = 0
+    served_model_name: str | None = None
+    version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedLoad:
+    """`/v1/loads` summed over DP ranks (token_usage: mean over ranks)."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_uncached_tokens: int = 0
+    token_usage: float = 0.0
+    max_running_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    event: HealthEvent  # PROBE_OK, PROBE_NOT_READY or PROBE_FAILED
+    path: ReadyPath  # the path to use next time
+    detail: str = ""
+
+
+async def probe_readiness(
+    client: httpx.AsyncClient, url: str, path: ReadyPath, timeout_s: float
+) -> ProbeResult:
+    try:
+        r = await client.get(url + path.value, timeout=timeout_s)
+        if r.status_code == 404 and path is ReadyPath.READY:
+            path = ReadyPath.HEALTH
+            r = await client.get(url + path.value, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return ProbeResult(HealthEvent.PROBE_FAILED, path, f"{type(e).__name__}: {e}")
+    if r.status_code == 200:
+        return ProbeResult(HealthEvent.PROBE_OK, path)
+    if r.status_code == 503 and path is ReadyPath.READY:
+        return ProbeResult(HealthEvent.PROBE_NOT_READY, path, "503 on /ready")
+    return ProbeResult(HealthEvent.PROBE_FAILED, path, f"HTTP {r.status_code} on {path.value}")
+
+
+async def _get_json(client: httpx.AsyncClient, url: str, timeout_s: float) -> Any:
+    """The JSON body of a 200, None for 404; raises httpx.HTTPError / ValueError otherwise."""
+    r = await client.get(url, timeout=timeout_s)
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    return r.json()
+
+
+async def fetch_capacity(client: httpx.AsyncClient, url: str, timeout_s: float) -> Capacity | None:
+    """Capacity from /server_info; ``Capacity()`` (unknown) when the route does not exist;
+    None when the replica could not be asked (retry later)."""
+    try:
+        body = await _get_json(client, url + "/server_info", timeout_s)
+        if body is None:
+            body = await _get_json(client, url + "/get_server_info", timeout_s)
+    except (httpx.HTTPError, ValueError) as e:
+        log.debug("server_info of %s failed: %s", url, e)
+        return None
+    return parse_server_info(body) if isinstance(body, dict) else Capacity()
+
+
+async def fetch_loads(client: httpx.AsyncClient, url: str, timeout_s: float) -> ReportedLoad | None:
+    try:
+        body = await _get_json(client, url + "/v1/loads?include=core", timeout_s)
+    except (httpx.HTTPError, ValueError) as e:
+        log.debug("/v1/loads of %s failed: %s", url, e)
+        return None
+    return parse_loads(body) if isinstance(body, dict) else None
+
+
+async def fetch_models(
+    client: httpx.AsyncClient, url: str, timeout_s: float
+) -> list[dict[str, Any]] | None:
+    try:
+        body = await _get_json(client, url + "/v1/models", timeout_s)
+    except (httpx.HTTPError, ValueError) as e:
+        log.debug("/v1/models of %s failed: %s", url, e)
+        return None
+    data = body.get("data") if isinstance(body, dict) else None
+    return (
+        [card for card in data if isinstance(card, dict) and "id" in card]
+        if isinstance(data, list)
+        else None
+    )
+
+
+def _int(value: Any, default: int = 0) -> int:
+    if isinstance(value, bool) or value is None:
+        return default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _float(value: Any, default: float = 0.0) -> float:
+    if isinstance(value, bool) or value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _dp_ranks(body: dict[str, Any], states: list[dict[str, Any]]) -> int:
+    if states:
+        return len(states)
+    return max(1, _int(body.get("attn_dp_size")), _int(body.get("dp_size")))
+
+
+def _host_tokens(
+    body: dict[str, Any], device_per_rank: int, state0: dict[str, Any], ranks: int
+) -> int:
+    """HiCache host pool: ``hicache_size`` GB (per rank) when set, else ratio x device."""
+    if not body.get("enable_hierarchical_cache"):
+        return 0
+    size_gb = _float(body.get("hicache_size"))
+    mem = _dict(state0.get("memory_usage"))
+    kv_gb, capacity = _float(mem.get("kvcache")), _int(mem.get("token_capacity"))
+    if size_gb > 0 and kv_gb > 0 and capacity > 0:
+        return int(size_gb / (kv_gb / capacity)) * ranks
+    ratio = _float(body.get("hicache_ratio"))
+    if ratio <= 0:
+        buffer_only = body.get("hicache_host_memory_mode") == "buffer_only"
+        ratio = _BUFFER_ONLY_HICACHE_RATIO if buffer_only else _DEFAULT_HICACHE_RATIO
+    return int(ratio * device_per_rank) * ranks
+
+
+def parse_server_info(body: dict[str, Any]) -> Capacity:
+    """Capacity of the whole replica from a /server_info body (see the module docstring).
+
+    ``max_total_num_tokens`` is per DP rank (rank 0): device tokens = it x DP ranks (the
+    number of ``internal_states``, else ``attn_dp_size``/``dp_size``). The page size is
+    the KV-event block size when published (page_size x dcp_size), else ``page_size``.
+    """
+    raw_states = body.get("internal_states")
+    states = [s for s in raw_states if isinstance(s, dict)] if isinstance(raw_states, list) else []
+    state0 = states[0] if states else {}
+    ranks = _dp_ranks(body, states)
+    per_rank = _int(body.get("max_total_num_tokens"))
+    if per_rank <= 0:
+        per_rank = _int(_dict(state0.get("memory_usage")).get("token_capacity"))
+    kv_events = _dict(body.get("kv_events"))
+    page_size = _int(kv_events.get("block_size")) or _int(body.get("page_size")) or 1
+    max_running = _int(body.get("max_running_requests"))
+    if max_running <= 0:
+        max_running = sum(_int(s.get("effective_max_running_requests_per_dp")) for s in states)
+    name = body.get("served_model_name")
+    version = body.get("version")
+    return Capacity(
+        device_tokens=per_rank * ranks,
+        host_tokens=_host_tokens(body, per_rank, state0, ranks),
+        page_size=page_size,
+        max_running_requests=max_running,
+        served_model_name=name if isinstance(name, str) else None,
+        version=version if isinstance(version, str) else None,
+    )
+
+
+def parse_loads(body: dict[str, Any]) -> ReportedLoad | None:
+    """Sum `/v1/loads` entries over DP ranks; None when the body has no `loads` list."""
+    raw = body.get("loads")
+    if not isinstance(raw, list):
+        return None
+    ranks = [x for x in raw if isinstance(x, dict)]
+    if not ranks:
+        return ReportedLoad()
+    return ReportedLoad(
+        running=sum(_int(x.get("num_running_reqs")) for x in ranks),
+        waiting=sum(_int(x.get("num_waiting_reqs")) for x in ranks),
+        waiting_uncached_tokens=sum(_int(x.get("num_waiting_uncached_tokens")) for x in ranks),
+        token_usage=sum(_float(x.get("token_usage")) for x in ranks) / len(ranks),
+        max_running_requests=sum(_int(x.get("max_running_requests")) for x in ranks),
+    )

@@ -1,0 +1,136 @@
+"""The registry's mutable record of one replica, and the frozen view made from it.
+
+Only the registry mutates records; everything else sees ``ReplicaView`` snapshots.
+Load in a view = this gateway's leases (exact, immediate) + other gateways' published
+leases (shared state; stale by up to one sync interval) ; the ``reported_*`` fields are
+the replica's own ``/v1/loads`` (stale by up to one poll interval).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from prefix_index.base import ReplicaId
+from replicas.drain import DrainInfo
+from replicas.health import HealthTracker
+from replicas.load import LoadCounters
+from replicas.model import ReplicaState, ReplicaView
+from replicas.probe import Capacity, ReadyPath, ReportedLoad
+
+log = logging.getLogger("replicas.registry")
+
+
+class RegistryListener(Protocol):
+    """Told about membership and state changes (the gateway calls policy hooks, sets
+    index capacity, updates metrics). Called synchronously; exceptions are logged."""
+
+    def on_added(self, view: ReplicaView) -> None: ...
+
+    def on_removed(self, replica_id: ReplicaId) -> None: ...
+
+    def on_state_changed(self, view: ReplicaView, old_state: ReplicaState) -> None: ...
+
+
+def normalize_url(url: str) -> ReplicaId:
+    """A replica id is its URL without trailing slashes (``http://127.0.0.1:31001``)."""
+    return ReplicaId(url.strip().rstrip("/"))
+
+
+@dataclass(slots=True, eq=False)
+class ReplicaRecord:
+    id: ReplicaId
+    state: ReplicaState
+    added_at_s: float
+    health: HealthTracker
+    static: bool = False
+    counters: LoadCounters = field(default_factory=LoadCounters)
+    remote: LoadCounters = field(default_factory=LoadCounters)  # other gateways, summed
+    capacity: Capacity | None = None  # None until /server_info answered
+    reported: ReportedLoad = field(default_factory=ReportedLoad)
+    drain: DrainInfo | None = None
+    removal_candidate: bool = False
+    ever_ok: bool = False
+    ready_path: ReadyPath = ReadyPath.READY
+    model_cards: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def operator_drain(self) -> bool:
+        return self.drain is not None and self.drain.by_operator
+
+    @property
+    def total_in_flight(self) -> int:
+        return self.counters.in_flight + max(0, self.remote.in_flight)
+
+    def view(self) -> ReplicaView:
+        cap = self.capacity or Capacity()
+        c, r, rep = self.counters, self.remote, self.reported
+        return ReplicaView(
+            id=self.id,
+            state=self.state,
+            device_tokens=cap.device_tokens,
+            host_tokens=cap.host_tokens,
+            page_size=cap.page_size,
+            max_running_requests=cap.max_running_requests or rep.max_running_requests,
+            in_flight=c.in_flight + max(0, r.in_flight),
+            pending_prefill_tokens=c.pending_prefill_tokens + max(0, r.pending_prefill_tokens),
+            decoding=c.decoding + max(0, r.decoding),
+            reported_running=rep.running,
+            reported_waiting=rep.waiting,
+            reported_waiting_uncached_tokens=rep.waiting_uncached_tokens,
+            reported_token_usage=rep.token_usage,
+            added_at_s=self.added_at_s,
+            drain_deadline_s=self.drain.deadline_s if self.drain else None,
+            removal_candidate=self.removal_candidate,
+        )
+
+
+class ReplicaTable:
+    """The records in registration order, and the listeners told about every change."""
+
+    def __init__(self) -> None:
+        self.records: dict[ReplicaId, ReplicaRecord] = {}
+        self._listeners: list[RegistryListener] = []
+
+    def add_listener(self, listener: RegistryListener) -> None:
+        self._listeners.append(listener)
+
+    def notify(self, method: str, *args: Any) -> None:
+        for listener in self._listeners:
+            try:
+                getattr(listener, method)(*args)
+            except Exception:  # a listener's bug must not break the registry
+                log.exception("registry listener %r.%s failed", listener, method)
+
+    def require(self, url: str) -> ReplicaRecord:
+        rec = self.records.get(normalize_url(url))
+        if rec is None:
+            raise KeyError(f"unknown replica {url!r}")
+        return rec
+
+    def add(self, rec: ReplicaRecord) -> ReplicaRecord:
+        self.records[rec.id] = rec
+        log.info("replica %s added (%s)", rec.id, rec.state.value)
+        self.notify("on_added", rec.view())
+        return rec
+
+    def remove(self, rid: ReplicaId, why: str) -> None:
+        rec = self.records.pop(rid, None)
+        if rec is None:
+            return
+        rec.state = ReplicaState.REMOVED
+        log.info("replica %s %s (in flight here: %d)", rid, why, rec.counters.in_flight)
+        self.notify("on_removed", rid)
+
+    def set_state(
+        self, rec: ReplicaRecord, new: ReplicaState, *, force_notify: bool = False
+    ) -> None:
+        """Change the state; listeners hear of it (also of a same-state change when forced)."""
+        old = rec.state
+        if new is old and not force_notify:
+            return
+        rec.state = new
+        if new is not old:
+            log.info("replica %s: %s -> %s", rec.id, old.value, new.value)
+        self.notify("on_state_changed", rec.view(), old)

@@ -1,0 +1,288 @@
+"""The registry's state machine over a transport stub and a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from replicas.config import RegistryConfig
+from replicas.model import ReplicaState
+from replicas.registry import Registry
+from tests.replicas.fakes import FakeClock, FakeFleet, FakeReplica, RecordingListener, loads_body
+
+A = "http://127.0.0.1:31001"
+B = "http://127.0.0.1:31002"
+C = "http://127.0.0.1:31003"
+
+
+@dataclass
+class Harness:
+    fleet: FakeFleet
+    clock: FakeClock
+    reg: Registry
+    events: RecordingListener
+
+    def rep(self, url: str) -> FakeReplica:
+        return self.fleet.replicas[url]
+
+    def state(self, url: str) -> ReplicaState | None:
+        view = self.reg.get(url)
+        return view.state if view else None
+
+
+@contextlib.asynccontextmanager
+async def harness(
+    *urls: str, fleet: FakeFleet | None = None, **cfg: object
+) -> AsyncIterator[Harness]:
+    """A registry over a fake fleet (healthy replicas at ``urls`` unless ``fleet`` has
+    them already), each added before the test body runs."""
+    fleet = fleet or FakeFleet()
+    for url in urls:
+        if url not in fleet.replicas:
+            fleet.add(url)
+    clock, events = FakeClock(), RecordingListener()
+    async with fleet.client() as client:
+        reg = Registry(RegistryConfig.model_validate(cfg), client, clock=clock)
+        reg.add_listener(events)
+        for url in urls:
+            await reg.add(url)
+        yield Harness(fleet, clock, reg, events)
+
+
+def fleet_with(url: str, **kw: object) -> FakeFleet:
+    fleet = FakeFleet()
+    fleet.add(url, **kw)
+    return fleet
+
+
+async def test_joining_until_first_ok_probe_then_active_with_capacity() -> None:
+    async with harness(fleet=fleet_with(A, ready=None)) as h:
+        view = await h.reg.add(A + "/")
+        assert view.id == A and view.state is ReplicaState.JOINING and view.device_tokens == 0
+        for _ in range(5):
+            await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.JOINING  # a joining replica never turns unhealthy
+        h.rep(A).ready = 200
+        await h.reg.probe_all()
+        v = h.reg.get(A)
+        assert v is not None and v.state is ReplicaState.ACTIVE
+        assert (v.device_tokens, v.host_tokens, v.page_size) == (600_000, 1_200_000, 64)
+        assert v.max_running_requests == 128 and v.added_at_s == h.clock.now
+        assert h.reg.models()[0]["id"] == "kimi-k2"
+        assert h.events.events == [("added", A, "joining"), ("state", A, "joining->active")]
+
+
+async def test_hysteresis_unhealthy_after_three_failures_active_after_two_successes() -> None:
+    async with harness(A) as h:
+        h.rep(A).ready = None
+        await h.reg.probe_all()
+        h.reg.report_failure(A, "connect error")  # passive failures count too
+        assert h.state(A) is ReplicaState.ACTIVE
+        await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.UNHEALTHY
+        h.rep(A).ready = 200
+        await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.UNHEALTHY
+        await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.ACTIVE
+        assert [e for e in h.events.events if e[0] == "state"] == [
+            ("state", A, "joining->active"),
+            ("state", A, "active->unhealthy"),
+            ("state", A, "unhealthy->active"),
+        ]
+
+
+async def test_passive_success_resets_the_failure_streak() -> None:
+    async with harness(A) as h:
+        for report in ("fail", "fail", "ok", "fail", "fail"):
+            if report == "ok":
+                h.reg.report_success(A)
+            else:
+                h.reg.report_failure(A, "5xx")
+        assert h.state(A) is ReplicaState.ACTIVE
+        h.reg.report_failure(A, "5xx")
+        assert h.state(A) is ReplicaState.UNHEALTHY
+        h.reg.report_failure("http://unknown:1", "ignored")
+
+
+async def test_falls_back_to_health_when_ready_is_404() -> None:
+    async with harness(A, fleet=fleet_with(A, ready=404)) as h:
+        assert h.state(A) is ReplicaState.ACTIVE
+        h.rep(A).calls.clear()
+        await h.reg.probe_all()
+        assert h.rep(A).calls == ["/health"]
+        h.rep(A).health = 503  # old SGLang: 503 on /health is a failure, not a drain
+        for _ in range(3):
+            await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.UNHEALTHY
+
+
+async def test_ready_503_drains_then_removed_when_empty() -> None:
+    async with harness(A, readd_static_after_self_drain=False) as h:
+        lease = h.reg.lease(A, 100)
+        h.rep(A).ready = 503  # SIGTERM: SGLang keeps accepting, the gateway must stop sending
+        await h.reg.probe_all()
+        view = h.reg.get(A)
+        assert view is not None and view.state is ReplicaState.DRAINING and not view.routable
+        assert view.drain_deadline_s == h.clock.now + 600.0
+        lease.first_byte()
+        lease.release()
+        assert h.reg.get(A) is None and h.reg.views() == ()
+        assert h.events.events[-1] == ("removed", A, "")
+        lease.release()  # idempotent, even after removal
+
+
+async def test_self_drain_ends_when_ready_again() -> None:
+    async with harness(A) as h:
+        lease = h.reg.lease(A, 0)
+        h.rep(A).ready = 503  # e.g. /pause_generation
+        await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.DRAINING
+        h.rep(A).ready = 200
+        await h.reg.probe_all()
+        view = h.reg.get(A)
+        assert (
+            view is not None and view.state is ReplicaState.ACTIVE and view.drain_deadline_s is None
+        )
+        lease.release()
+        assert h.state(A) is ReplicaState.ACTIVE
+
+
+async def test_static_replica_rejoins_after_its_self_drain() -> None:
+    async with harness(A, replicas=[A]) as h:
+        h.rep(A).ready = 503
+        await h.reg.probe_all()  # idle: drained and removed at once, then added back as joining
+        assert h.state(A) is ReplicaState.JOINING
+        assert h.events.events[-2:] == [("removed", A, ""), ("added", A, "joining")]
+        await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.JOINING  # still 503: not ready yet
+        h.rep(A).ready = 200
+        await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.ACTIVE
+
+
+async def test_operator_drain_with_deadline_and_undrain() -> None:
+    async with harness(A, B) as h:
+        lease_a, lease_b = h.reg.lease(A, 10), h.reg.lease(B, 10)
+        view = await h.reg.drain(A, deadline_s=30)
+        assert view.state is ReplicaState.DRAINING and view.drain_deadline_s == h.clock.now + 30
+        await h.reg.probe_all()  # a 200 on /ready does not end an operator's drain
+        assert h.state(A) is ReplicaState.DRAINING
+        assert (await h.reg.undrain(A)).state is ReplicaState.ACTIVE
+        await h.reg.drain(B, deadline_s=30)
+        h.clock.advance(29)
+        h.reg.check_drains()
+        assert h.state(B) is ReplicaState.DRAINING
+        h.clock.advance(1)
+        h.reg.check_drains()
+        assert h.reg.get(B) is None and [v.id for v in h.reg.views()] == [A]
+        assert ("removed", B, "") in h.events.events
+        lease_b.first_byte()
+        lease_b.release()  # the request finished on its own after removal
+        lease_a.release()
+        assert h.reg.get(A) is not None and h.reg.get(A).in_flight == 0  # type: ignore[union-attr]
+
+
+async def test_drain_of_an_idle_replica_removes_it_and_unknown_urls_raise() -> None:
+    async with harness(A) as h:
+        view = await h.reg.drain(A)
+        assert view.state is ReplicaState.REMOVED and h.reg.get(A) is None
+        for op in (h.reg.drain(A), h.reg.undrain(A), h.reg.remove(A)):
+            with pytest.raises(KeyError):
+                await op
+        with pytest.raises(KeyError):
+            h.reg.set_removal_candidate(A, True)
+
+
+async def test_undrain_of_a_never_probed_replica_returns_to_joining() -> None:
+    async with harness(A, fleet=fleet_with(A, ready=None)) as h:
+        h.reg.lease(A, 1)
+        await h.reg.drain(A)
+        assert (await h.reg.undrain(A)).state is ReplicaState.JOINING
+
+
+async def test_leases_and_reported_load_combine_in_views() -> None:
+    async with harness(
+        A, fleet=fleet_with(A, loads=loads_body((12, 3, 5000, 0.5), (8, 1, 1000, 0.25)))
+    ) as h:
+        l1, l2 = h.reg.lease(A, 1000), h.reg.lease(A, 500)
+        l2.first_byte()
+        await h.reg.poll_loads()
+        v = h.reg.get(A)
+        assert v is not None
+        assert (v.in_flight, v.pending_prefill_tokens, v.decoding) == (2, 1000, 1)
+        assert (v.reported_running, v.reported_waiting, v.reported_waiting_uncached_tokens) == (
+            20,
+            4,
+            6000,
+        )
+        assert v.reported_token_usage == pytest.approx(0.375)
+        h.rep(A).ready = None  # health checks never reset load accounting
+        for _ in range(3):
+            await h.reg.probe_all()
+        v = h.reg.get(A)
+        assert v is not None and v.state is ReplicaState.UNHEALTHY and v.in_flight == 2
+        l1.release()
+        l2.release()
+        assert h.reg.get(A).in_flight == 0  # type: ignore[union-attr]
+
+
+async def test_remove_keeps_leases_valid_and_lease_on_unknown_url_is_detached() -> None:
+    async with harness(A) as h:
+        lease = h.reg.lease(A, 5)
+        await h.reg.remove(A)
+        assert h.events.events[-1] == ("removed", A, "")
+        await h.reg.add(A)
+        lease.release()  # counts against the old record, not the new one
+        assert h.reg.get(A).in_flight == 0  # type: ignore[union-attr]
+        h.reg.lease("http://gone:1", 5).release()
+
+
+class Broken:
+    def on_added(self, view: object) -> None:
+        raise RuntimeError("bug in a listener")
+
+    def on_removed(self, replica_id: object) -> None:
+        raise RuntimeError("bug in a listener")
+
+    def on_state_changed(self, view: object, old_state: object) -> None:
+        raise RuntimeError("bug in a listener")
+
+
+async def test_removal_candidate_models_union_and_listener_errors() -> None:
+    fleet = FakeFleet()
+    for url, model in ((A, "m1"), (B, "m1"), (C, "m2")):
+        fleet.add(url, model=model)
+    async with harness(fleet=fleet) as h:
+        h.reg.add_listener(Broken())
+        for url in (A, B, C):
+            await h.reg.add(url)
+        assert [m["id"] for m in h.reg.models()] == ["m1", "m2"]
+        h.reg.set_removal_candidate(B, True)
+        v = h.reg.get(B)
+        assert v is not None and v.removal_candidate and v.routable and not v.accepts_new_sessions
+        assert h.events.events[-1] == ("state", B, "active->active")
+        assert [v.id for v in h.reg.views()] == [A, B, C]
+
+
+async def test_start_and_stop_run_the_loops() -> None:
+    fleet = fleet_with(A)
+    fleet.add(B, ready=None)
+    async with fleet.client() as client:
+        reg = Registry(
+            RegistryConfig(replicas=[A, B], probe_interval_s=0.01, loads_poll_interval_s=0.01),
+            client,
+            clock=FakeClock(),
+        )
+        await reg.start()
+        assert reg.get(A).state is ReplicaState.ACTIVE  # type: ignore[union-attr]
+        assert reg.get(B).state is ReplicaState.JOINING  # type: ignore[union-attr]
+        fleet.replicas[B].ready = 200
+        async with asyncio.timeout(5):  # the loops probe and poll by themselves
+            while reg.get(B).state is not ReplicaState.ACTIVE or reg.get(A).reported_running != 3:  # type: ignore[union-attr]
+                await asyncio.sleep(0.01)
+        await reg.stop()
