@@ -21,5 +21,8 @@ if [ -x .ci/sglang-argcheck.sh ] || [ -f .ci/sglang-argcheck.sh ]; then
   bash .ci/sglang-argcheck.sh
 fi
 
+echo "== installing the peer routers (sglang-router 0.3.2, smg 1.13.0) into .venv-peers/"
+bash loadtest/peers/install.sh
+
 echo "== running the tests"
 exec $PY -m pytest "$@"

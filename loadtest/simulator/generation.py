@@ -1,0 +1,295 @@
+"""Generation routes of the simulated replica: chat, completions, /generate.
+
+Each route turns its body into a :class:`~.intake.Job` (:mod:`.intake`) and hands it to
+:meth:`Generation.serve`, which applies fault injection and pause, submits the request to
+the engine and relays its output in the route's wire shape (:mod:`.protocol`):
+
+- engine callbacks land in a per-request ``asyncio.Queue`` (:class:`Listener`); what
+  queued up while the consumer was busy is merged into one update, as SGLang does when
+  its detokenizer lags;
+- streaming: one SSE event per update (chat: role chunk on the first token, content
+  chunks, a separate finish chunk, then sglext/usage/[DONE]; completions: the finish
+  reason on the last text chunk; /generate: cumulative text and ids);
+- non-streaming: wait for ``on_finish`` (the engine then skips ``on_tokens``);
+- a client that leaves (disconnect while waiting or streaming) aborts its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from loadtest.simulator import intake, protocol, tokenizer
+from loadtest.simulator.engine import RequestResult, SimRequest
+from loadtest.simulator.faults import FaultPlan
+from loadtest.simulator.intake import CHAT, COMPLETION, GENERATE, Job
+from loadtest.simulator.metrics import RequestSample
+
+if TYPE_CHECKING:
+    from loadtest.simulator.server import Replica
+
+EOS_TOKEN_ID = 163586  # Kimi K2's <|im_end|>: the ``matched_stop`` of a natural stop
+Update = tuple[list[int], RequestResult | None]
+
+
+class Listener:
+    """Engine callbacks -> an asyncio queue of token batches, then the result."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[list[int] | RequestResult] = asyncio.Queue()
+
+    def on_tokens(self, rid: str, token_ids: Sequence[int], now_s: float) -> None:
+        self.queue.put_nowait(list(token_ids))
+
+    def on_finish(self, result: RequestResult, now_s: float) -> None:
+        self.queue.put_nowait(result)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Batches as they come; what queued up meanwhile is merged into one update."""
+        while True:
+            item = await self.queue.get()
+            tokens: list[int] = []
+            while True:
+                if isinstance(item, list):
+                    tokens.extend(item)
+                else:
+                    yield tokens, item
+                    return
+                if self.queue.empty():
+                    break
+                item = self.queue.get_nowait()
+            yield tokens, None
+
+    async def result(self) -> RequestResult:
+        while True:
+            item = await self.queue.get()
+            if not isinstance(item, list):
+                return item
+
+
+def _finish(r: RequestResult) -> protocol.Finish:
+    matched = EOS_TOKEN_ID if r.finish_reason == "stop" else None
+    return protocol.Finish(r.finish_reason, matched, r.prompt_tokens, r.completion_tokens,
+                           r.cached_tokens, r.cached_device, r.cached_host, r.spec_verify_ct)
+
+
+class Generation:
+    """The three generation routes over one replica."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.r = replica
+
+    def _limits(self) -> intake.Limits:
+        return intake.Limits(self.r.profile.served_model_name, self.r.profile.context_length,
+                             self.r.in_flight)
+
+    async def chat(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            job = intake.chat_job(request.headers.get("content-type", ""), raw, self._limits())
+        except intake.BadRequest as e:
+            return _json(e.body, 400)
+        return await self.serve(request, job)
+
+    async def completions(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            job = intake.completion_job(request.headers.get("content-type", ""), raw, self._limits())
+        except intake.BadRequest as e:
+            return _json(e.body, 400)
+        return await self.serve(request, job)
+
+    async def generate(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            job = intake.generate_job(raw, self._limits())
+        except intake.BadRequest as e:
+            return _json(e.body, 400)
+        return await self.serve(request, job)
+
+    # ---- the common path --------------------------------------------------------------
+    async def serve(self, request: Request, job: Job) -> Response:
+        plan = self.r.faults.plan()
+        if plan.latency_s:
+            await asyncio.sleep(plan.latency_s)
+        if plan.error_status is not None:
+            msg = protocol.error_response("simulated failure (fault injection)", "ServiceUnavailable",
+                                          plan.error_status)
+            return _json(msg, plan.error_status)
+        if plan.hang:
+            await _disconnected(request)
+            return Response(status_code=499)
+        if self.r.paused:
+            await self.r.resumed.wait()
+        listener = Listener()
+        self._submit(job, listener)
+        if job.stream:
+            box: list[RequestResult] = []
+            events = _with_faults(self._events(job, listener, box), plan)
+            return StreamingResponse(self._guard(job, events, box), media_type="text/event-stream",
+                                     headers=protocol.SSE_HEADERS)
+        return await self._whole(request, job, listener)
+
+    def _submit(self, job: Job, listener: Listener) -> None:
+        driver = self.r.driver
+        self.r.in_flight[job.rid] = lambda: driver.abort(job.rid)
+        req = SimRequest(rid=job.rid, prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens,
+                         ignore_eos=job.ignore_eos, seed=job.seed, stream=job.stream)
+        driver.submit(req, listener)
+
+    def _done(self, job: Job, result: RequestResult | None) -> None:
+        """Bookkeeping when a request leaves: in-flight set, metrics, abort if unfinished."""
+        abort = self.r.in_flight.pop(job.rid, None)
+        if result is None:
+            if abort is not None:
+                abort()
+            self.r.metrics.count_abort()
+            return
+        ttft = None if result.first_token_s is None else result.first_token_s - result.arrival_s
+        self.r.metrics.observe_request(RequestSample(
+            job.stream, result.prompt_tokens, result.completion_tokens, result.cached_device,
+            result.cached_host, ttft, result.finish_s - result.arrival_s,
+            result.finish_reason == "abort", result.spec_verify_ct))
+
+    async def _whole(self, request: Request, job: Job, listener: Listener) -> Response:
+        waiter = asyncio.ensure_future(listener.result())
+        gone = asyncio.ensure_future(_disconnected(request))
+        result: RequestResult | None = None
+        try:
+            await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
+            if waiter.done():
+                result = waiter.result()
+        finally:
+            waiter.cancel()
+            gone.cancel()
+            self._done(job, result)
+        if result is None:
+            return Response(status_code=499)
+        if _refused(result):
+            message = self._refusal(job)
+            body = {"error": {"message": message}} if job.kind == GENERATE else protocol.error_response(message)
+            return _json(body, 400)
+        text = tokenizer.decode(result.output_ids)
+        f = _finish(result)
+        if job.kind == CHAT:
+            return _json(protocol.chat_response(job.rid, job.created, job.model, text, f, job.sglext))
+        if job.kind == COMPLETION:
+            return _json(protocol.completion_response(job.rid, job.created, job.model, text, f, job.sglext))
+        return _json({"text": text, "output_ids": result.output_ids,
+                      "meta_info": self._meta(job, f, result)})
+
+    def _refusal(self, job: Job) -> str:
+        p = self.r.profile
+        return (f"The simulated engine refused the request: {len(job.prompt_ids)} prompt tokens + "
+                f"{job.max_new_tokens} max new tokens do not fit (context_length {p.context_length}, "
+                f"KV pool {p.device_tokens} tokens).")
+
+    def _meta(self, job: Job, f: protocol.Finish | None, r: RequestResult | None,
+              completion_tokens: int = 0) -> dict[str, Any]:
+        e2e = 0.0 if r is None else r.finish_s - r.arrival_s
+        done = completion_tokens if r is None else r.completion_tokens
+        return protocol.generate_meta(job.rid, f, len(job.prompt_ids), done, e2e,
+                                      self.r.profile.spec_num_draft_tokens)
+
+    async def _guard(self, job: Job, events: AsyncIterator[bytes],
+                     box: list[RequestResult]) -> AsyncIterator[bytes]:
+        """Release the request however the stream ends (done, error, client gone)."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self._done(job, box[0] if box else None)
+
+    async def _events(self, job: Job, listener: Listener,
+                      box: list[RequestResult]) -> AsyncIterator[bytes]:
+        rid, created, model = job.rid, job.created, job.model
+        started = False
+        text = ""
+        ids: list[int] = []
+        async for tokens, result in listener.updates():
+            piece = tokenizer.decode(tokens) if tokens else ""
+            if result is not None:
+                box.append(result)
+                if _refused(result):
+                    yield protocol.stream_error(self._refusal(job), "BadRequest", 400)
+                    return
+            f = _finish(result) if result is not None else None
+            if job.kind == CHAT:
+                if not started and (tokens or f):
+                    started = True
+                    yield protocol.chat_first_chunk(rid, created, model)
+                if piece:
+                    yield protocol.chat_content_chunk(rid, created, model, piece)
+                if f is not None:
+                    for event in protocol.chat_tail(rid, created, model, f, job.sglext, job.include_usage):
+                        yield event
+            elif job.kind == COMPLETION:
+                if piece or f is not None:
+                    yield protocol.completion_chunk(rid, created, model, piece, f)
+                if f is not None:
+                    for event in protocol.completion_tail(rid, created, model, f, job.sglext,
+                                                          job.include_usage):
+                        yield event
+            else:
+                text += piece
+                ids.extend(tokens)
+                meta = self._meta(job, f, result, len(ids))
+                yield protocol.sse({"text": text, "output_ids": list(ids), "meta_info": meta})
+                if f is not None:
+                    yield protocol.DONE
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/generate", self.generate, methods=["POST", "PUT"]),
+        ]
+
+
+def _refused(r: RequestResult) -> bool:
+    """Aborted before any output: the engine could not take it (too long for the pool)."""
+    return r.finish_reason == "abort" and r.completion_tokens == 0
+
+
+def generation_routes(replica: Replica) -> list[Route]:
+    return Generation(replica).routes()
+
+
+class DieMidStream(Exception):
+    """Raised inside a stream to drop the connection (fault injection)."""
+
+
+async def _with_faults(events: AsyncIterator[bytes], plan: FaultPlan) -> AsyncIterator[bytes]:
+    if plan.die_after_chunks is None:
+        async for event in events:
+            yield event
+        return
+    sent = 0
+    async for event in events:
+        if sent >= plan.die_after_chunks:
+            if plan.die_exit:
+                os._exit(17)
+            raise DieMidStream(f"fault injection: connection dropped after {sent} events")
+        yield event
+        sent += 1
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client has gone (the body must already have been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+

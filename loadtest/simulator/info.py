@@ -1,0 +1,197 @@
+"""Introspection bodies of a simulated replica: /server_info, /model_info, /v1/models, /v1/loads.
+
+Shapes follow the SGLang 0.5.23 contract (§1.2-1.5). ``/server_info`` is a flat object
+of resolved server arguments (the subset a gateway or a peer router reads, not all ~546)
+plus the scheduler handshake fields, ``kv_events: null`` (the simulator publishes no KV
+events), ``internal_states`` and ``version``; one extra key, ``kvgate_sim``, names the
+profile and time scale.
+
+``model_path`` is an existing local directory holding a minimal ``config.json``: peer
+routers load a tokenizer from it at registration and would otherwise try a model hub.
+
+Engine figures come from ``ReplicaEngine.snapshot()`` (an ``EngineStats``); the two
+adapters :func:`scheduler_sample` and :func:`load_entry` are the only code that reads it.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from loadtest.simulator.engine import EngineStats
+from loadtest.simulator.metrics import SchedulerSample
+from loadtest.simulator.profile import Profile
+
+if TYPE_CHECKING:
+    from loadtest.simulator.server import ServerConfig
+
+VERSION = "0.5.23"
+ACCELERATOR = "Simulated GPU"
+
+
+def model_dir(profile: Profile) -> Path:
+    return Path(tempfile.gettempdir()) / "kvgate-sim-models" / profile.served_model_name
+
+
+def write_model_dir(path: Path, profile: Profile) -> None:
+    """Create the local model folder (a minimal HF ``config.json``); atomic, idempotent."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+              "max_position_embeddings": profile.context_length, "vocab_size": 163840,
+              "eos_token_id": 163586, "_name_or_path": profile.model_path or profile.name}
+    tmp = path / f".config.json.{os.getpid()}"
+    tmp.write_bytes(orjson.dumps(config, option=orjson.OPT_INDENT_2))
+    os.replace(tmp, path / "config.json")
+
+
+def server_args(config: ServerConfig, model_path: Path) -> dict[str, Any]:
+    """The resolved ServerArgs subset reported by /server_info (static for the process)."""
+    p = config.profile
+    hicache = p.host_tokens > 0
+    spec = p.spec_algorithm
+    return {
+        "model_path": str(model_path), "tokenizer_path": str(model_path),
+        "served_model_name": p.served_model_name, "host": config.host, "port": config.port,
+        "skip_tokenizer_init": False, "trust_remote_code": True, "is_embedding": False,
+        "tp_size": p.tp_size, "dp_size": 1, "attn_dp_size": 1, "pp_size": 1, "ep_size": 1,
+        "dcp_size": 1, "enable_dp_attention": False, "page_size": p.page_size,
+        "context_length": p.context_length, "mem_fraction_static": 0.85,
+        "chunked_prefill_size": p.chunked_prefill_size,
+        "max_running_requests": p.max_running_requests, "max_queued_requests": None,
+        "schedule_policy": "fcfs", "radix_eviction_policy": "lru", "disable_radix_cache": False,
+        "enable_hierarchical_cache": hicache,
+        "hicache_ratio": round(p.host_tokens / p.device_tokens, 4) if hicache else 2.0,
+        "hicache_size": 0, "hicache_write_policy": "write_through", "hicache_io_backend": "kernel",
+        "hicache_mem_layout": "page_first", "hicache_storage_backend": None,
+        "speculative_algorithm": spec, "speculative_draft_model_path": None,
+        "speculative_num_steps": 1 if spec else None, "speculative_eagle_topk": 1 if spec else None,
+        "speculative_num_draft_tokens": p.spec_num_draft_tokens if spec else None,
+        "kv_events_config": None, "enable_cache_report": True, "enable_metrics": True,
+        "decode_log_interval": 40, "stream_interval": 1, "watchdog_timeout": 300,
+        "tool_call_parser": "kimi_k2", "reasoning_parser": "kimi_k2", "load_format": "auto",
+        "weight_version": "default", "disaggregation_mode": "null",
+        "launch_command": " ".join(shlex.quote(a) for a in sys.argv),
+        "kvgate_sim": {"profile": p.name, "time_scale": config.time_scale, "seed": config.seed},
+    }
+
+
+def server_info(args: dict[str, Any], stats: EngineStats, profile: Profile,
+                started_wall_s: float) -> dict[str, Any]:
+    memory = {"weight": profile.weight_gb_per_gpu, "kvcache": _kv_gb(profile),
+              "startup_available": 0.0, "token_capacity": profile.device_tokens,
+              "token_capacity_swa": 0, "graph": {}}
+    state: dict[str, Any] = {**args, "world_size": profile.tp_size,
+                             "effective_max_running_requests_per_dp": profile.max_running_requests,
+                             "last_gen_throughput": stats.gen_throughput, "memory_usage": memory,
+                             "disaggregation_mode": "null"}
+    if profile.spec_algorithm and stats.spec_accept_length_avg:
+        state["avg_spec_accept_length"] = stats.spec_accept_length_avg
+    return {
+        **args, "status": "ready", "max_total_num_tokens": profile.device_tokens,
+        "max_req_input_len": profile.context_length - 1, "hicache_object_layout": "page_first",
+        "startup_time": {"total": 0.0, "started_at": started_wall_s},
+        "kv_events": None, "internal_states": [state], "version": VERSION, "frontend": "python",
+    }
+
+
+def model_info(profile: Profile, path: Path) -> dict[str, Any]:
+    return {"model_path": str(path), "served_model_name": profile.served_model_name,
+            "tokenizer_path": str(path), "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": "default", "load_format": "auto", "reasoning_parser": "kimi_k2",
+            "tool_call_parser": "kimi_k2", "disaggregation_mode": "null",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+
+
+def model_card(profile: Profile, created: float) -> dict[str, Any]:
+    name = profile.served_model_name
+    return {"id": name, "object": "model", "created": int(created), "owned_by": "sglang",
+            "root": name, "parent": None, "max_model_len": profile.context_length}
+
+
+def _kv_gb(profile: Profile) -> float:
+    return round(profile.device_tokens * profile.kv_bytes_per_token / profile.tp_size / 1e9, 3)
+
+
+def _usage(stats: EngineStats, profile: Profile) -> float:
+    return stats.token_usage
+
+
+def scheduler_sample(stats: EngineStats, profile: Profile) -> SchedulerSample:
+    return SchedulerSample(
+        num_running_reqs=stats.num_running_reqs, num_queue_reqs=stats.num_waiting_reqs,
+        gen_throughput=stats.gen_throughput, cache_hit_rate=stats.cache_hit_rate,
+        token_usage=_usage(stats, profile), num_used_tokens=stats.num_used_tokens,
+        max_total_num_tokens=profile.device_tokens, page_size=profile.page_size,
+        context_len=profile.context_length, spec_accept_length=stats.spec_accept_length,
+        spec_accept_rate=_accept_rate(stats.spec_accept_length, profile),
+        hicache_host_used_tokens=stats.hicache_host_used_tokens,
+        hicache_host_total_tokens=profile.host_tokens)
+
+
+def _accept_rate(accept_length: float, profile: Profile) -> float:
+    drafts = profile.spec_num_draft_tokens - 1
+    return max(accept_length - 1.0, 0.0) / drafts if drafts > 0 else 0.0
+
+
+def load_entry(stats: EngineStats, profile: Profile, include: set[str]) -> dict[str, Any]:
+    """One ``loads[]`` entry of /v1/loads (``LoadSnapshot.to_dict`` key order)."""
+    entry: dict[str, Any] = {
+        "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": stats.num_running_reqs,
+        "num_waiting_reqs": stats.num_waiting_reqs,
+        "num_waiting_uncached_tokens": stats.num_waiting_uncached_tokens,
+        "num_used_tokens": stats.num_used_tokens, "num_total_tokens": stats.num_total_tokens,
+        "num_active_tokens": stats.num_total_tokens, "num_prealloc_ready_tokens": 0,
+        "max_total_num_tokens": profile.device_tokens,
+        "max_running_requests": profile.max_running_requests,
+        "token_usage": round(_usage(stats, profile), 4), "gen_throughput": stats.gen_throughput,
+        "cache_hit_rate": stats.cache_hit_rate,
+        "utilization": stats.num_running_reqs / profile.max_running_requests,
+        "total_prefill_uncached_tokens": stats.total_prefill_uncached_tokens,
+        "total_prefill_busy_us": int(stats.total_prefill_busy_s * 1e6), "decode_moments": None,
+    }
+    if include & {"memory", "all"}:
+        entry["memory"] = {"weight_gb": profile.weight_gb_per_gpu, "kv_cache_gb": _kv_gb(profile),
+                           "graph_gb": 0.0, "token_capacity": profile.device_tokens}
+    if include & {"spec", "all"} and profile.spec_algorithm and stats.spec_accept_length:
+        entry["speculative"] = {"accept_length": stats.spec_accept_length,
+                                "accept_rate": _accept_rate(stats.spec_accept_length, profile)}
+    if include & {"disagg", "all"}:
+        entry["disaggregation"] = {
+            "mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+            "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
+            "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
+            "kv_transfer_latency_ms": 0.0}
+    if include & {"queues", "all"}:
+        entry["queues"] = {"waiting": stats.num_waiting_reqs, "grammar": 0, "paused": 0, "retracted": 0,
+                           "prealloc_ready": 0}
+    return entry
+
+
+def loads(stats: EngineStats, profile: Profile, include: str) -> dict[str, Any]:
+    parts = {p.strip() for p in include.split(",") if p.strip()} or {"all"}
+    return {"timestamp": datetime.now(UTC).isoformat(), "version": VERSION,
+            "accelerator": ACCELERATOR, "num_accelerators": profile.tp_size,
+            "loads": [load_entry(stats, profile, parts)]}
+
+
+def loads_prometheus(body: dict[str, Any]) -> bytes:
+    """``format=prometheus``: ``sglang_<field>{dp_rank="N"}`` and ``sglang_<spec|disagg>_<field>``."""
+    lines: list[str] = []
+    prefixes = {"speculative": "spec_", "disaggregation": "disagg_"}
+    for entry in body["loads"]:
+        label = f'{{dp_rank="{entry["dp_rank"]}"}}'
+        for key, value in entry.items():
+            if isinstance(value, dict) and key in prefixes:
+                lines += [f"sglang_{prefixes[key]}{k}{label} {float(v)}" for k, v in value.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            elif isinstance(value, (int, float)) and key not in ("dp_rank", "timestamp"):
+                lines.append(f"sglang_{key}{label} {float(value)}")
+    return ("\n".join(lines) + "\n").encode()
