@@ -1,0 +1,150 @@
+"""Replica discovery: a static list, DNS of a headless Service, or Kubernetes EndpointSlices.
+
+Every source feeds one callback interface, :class:`DiscoveryTarget` (the gateway's
+``Registry`` implements it): ``add(url)`` when a replica appears or becomes ready again,
+``drain(url)`` when it stops taking new work (terminating, not ready, or gone from DNS),
+``remove(url)`` when it is gone for good. :func:`make_discovery` picks the source from
+``RegistryConfig.discovery``; the caller runs ``await discovery.run()`` as a background
+task owned by the app's lifespan (static returns at once; the others loop until
+cancelled).
+
+DNS (``discovery = "dns"``): the A/AAAA records of a headless Service list its *ready*
+pods. Polled every ``dns_interval_s`` with the event loop's ``getaddrinfo`` (no thread of
+ours, no blocking call). An address that appears is added; one that vanishes is drained
+(a terminating pod leaves DNS while it still finishes its requests) and removed once it
+has stayed absent for ``drain_timeout_s``. A lookup error keeps the current set: a DNS
+hiccup must not drain the fleet (note that a headless Service with no ready pod answers
+NXDOMAIN, which is also kept; the registry's health probes mark such replicas anyway).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from prefix_index.base import ReplicaId
+from replicas.config import RegistryConfig
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[str, int], Awaitable[set[str]]]
+"""(host, port) -> the set of IP addresses it resolves to."""
+
+
+class DiscoveryTarget(Protocol):
+    """What discovery drives; the Registry's methods of the same names.
+
+    ``drain`` and ``remove`` may raise ``KeyError`` for a replica the target no longer
+    knows (the Registry removes a drained replica by itself): :func:`notify` ignores it.
+    """
+
+    async def add(self, url: ReplicaId) -> object: ...
+
+    async def drain(self, url: ReplicaId) -> object: ...
+
+    async def remove(self, url: ReplicaId) -> object: ...
+
+
+async def notify(target: DiscoveryTarget, op: str, url: ReplicaId) -> None:
+    """``target.<op>(url)``; an unknown replica (KeyError) is not an error here."""
+    method: Callable[[ReplicaId], Awaitable[object]] = getattr(target, op)
+    try:
+        await method(url)
+    except KeyError:
+        log.debug("discovery: %s(%s): replica already gone", op, url)
+
+
+class Discovery(Protocol):
+    async def run(self) -> None:
+        """Feed the target; returns (static) or runs until cancelled."""
+        ...
+
+
+def replica_url(address: str, port: int, scheme: str = "http") -> ReplicaId:
+    """``http://10.0.0.5:30000``; IPv6 addresses in brackets."""
+    host = f"[{address}]" if ":" in address else address
+    return ReplicaId(f"{scheme}://{host}:{port}")
+
+
+class StaticDiscovery:
+    """The configured list, added once."""
+
+    def __init__(self, urls: list[str], target: DiscoveryTarget) -> None:
+        self._urls = [ReplicaId(u.rstrip("/")) for u in urls]
+        self._target = target
+
+    async def run(self) -> None:
+        for url in self._urls:
+            await notify(self._target, "add", url)
+
+
+async def resolve_addresses(host: str, port: int) -> set[str]:
+    """All addresses of ``host`` via the loop's getaddrinfo."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return {str(info[4][0]) for info in infos}
+
+
+class DnsDiscovery:
+    """Polls the A/AAAA records of a (headless Service) name; see the module doc."""
+
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        target: DiscoveryTarget,
+        *,
+        interval_s: float = 10.0,
+        remove_after_s: float = 600.0,
+        resolver: Resolver = resolve_addresses,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._name, self._port, self._target = name, port, target
+        self._interval_s, self._remove_after_s = interval_s, remove_after_s
+        self._resolver, self._clock = resolver, clock
+        self._present: set[ReplicaId] = set()
+        self._absent_since: dict[ReplicaId, float] = {}  # drained, waiting to be removed
+
+    async def poll_once(self) -> None:
+        """One lookup and the add/drain/remove calls it implies."""
+        try:
+            addresses = await self._resolver(self._name, self._port)
+        except (OSError, UnicodeError) as e:  # socket.gaierror is an OSError
+            log.warning("dns discovery: lookup of %s failed (%s); keeping %d replicas",
+                        self._name, e, len(self._present))
+            return
+        now = self._clock()
+        seen = {replica_url(a, self._port) for a in addresses}
+        for url in sorted(seen - self._present):
+            self._absent_since.pop(url, None)
+            await notify(self._target, "add", url)
+        for url in sorted(self._present - seen):
+            self._absent_since[url] = now
+            await notify(self._target, "drain", url)
+        self._present = seen
+        for url, since in sorted(self._absent_since.items()):
+            if now - since >= self._remove_after_s:
+                del self._absent_since[url]
+                await notify(self._target, "remove", url)
+
+    async def run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self._interval_s)
+
+
+def make_discovery(config: RegistryConfig, target: DiscoveryTarget) -> Discovery:
+    """The discovery ``config.discovery`` names (Kubernetes is imported lazily)."""
+    if config.discovery == "static":
+        return StaticDiscovery(config.replicas, target)
+    if config.discovery == "dns":
+        if not config.dns_name:
+            raise ValueError("registry.discovery = 'dns' needs registry.dns_name")
+        return DnsDiscovery(config.dns_name, config.dns_port, target,
+                            interval_s=config.dns_interval_s, remove_after_s=config.drain_timeout_s)
+    from replicas.discovery_k8s import EndpointSliceDiscovery
+
+    return EndpointSliceDiscovery.from_config(config, target)
