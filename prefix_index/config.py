@@ -1,4 +1,7 @@
-"""Configuration of the prefix index (a section of the gateway's one settings object)."""
+"""Configuration of the prefix index (a section of the gateway's one settings object).
+
+See prefix_index/README.md for what each parameter does and why it has its default.
+"""
 from __future__ import annotations
 
 from typing import Literal
@@ -13,3 +16,22 @@ class IndexConfig(BaseModel):
     session_ttl_s: float = Field(default=3600.0, description="forget a session this long after its last turn")
     block_ttl_s: float = Field(default=3600.0, description="Redis: a replica's block set expires when untouched this long")
     redis_timeout_s: float = Field(default=0.05, description="Redis budget per call; slower counts as degraded")
+    default_device_blocks: int = Field(
+        default=16384, ge=0, description="device LRU size of a replica whose capacity is not known yet (blocks)"
+    )
+    default_host_blocks: int = Field(
+        default=0, ge=0, description="host LRU size of a replica whose capacity is not known yet (blocks)"
+    )
+    redis_exact_match: bool = Field(
+        default=False,
+        description="Redis: check every block (O(sum of matches)) instead of searching chain boundaries (O(log n))",
+    )
+    redis_write_behind: bool = Field(
+        default=False, description="Redis: record/truncate enqueue and a background task flushes batches"
+    )
+    redis_flush_interval_s: float = Field(default=0.002, gt=0, description="write-behind: max wait before a flush")
+    redis_queue_max: int = Field(default=10000, ge=1, description="write-behind: queued writes kept (oldest dropped)")
+    redis_retry_s: float = Field(default=1.0, gt=0, description="while degraded: ping Redis this often")
+    redis_recovery_merge_s: float = Field(
+        default=600.0, ge=0, description="after Redis came back empty: also answer from the local copy this long"
+    )

@@ -1,0 +1,241 @@
+"""Parse a request once into the frozen ``policies.base.RequestContext`` every plugin reads.
+
+``build_context`` validates what routing needs (OpenAI-shaped 4xx via ``gateway.errors``),
+extracts the session keys and hashes the canonical rendering (``gateway.prefix_hash``).
+The body bytes themselves are forwarded unchanged by the proxy; nothing here
+re-serializes them.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import orjson
+import xxhash
+from pydantic import BaseModel, Field
+
+from gateway import prefix_hash
+from gateway.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from policies.base import RequestContext, SessionKeys
+
+ENDPOINTS = {
+    "chat": "chat", "/v1/chat/completions": "chat",
+    "completions": "completions", "/v1/completions": "completions",
+    "generate": "generate", "/generate": "generate",
+}
+MAX_KEY_CHARS = 128  # longer session keys / request ids are replaced by a digest
+
+
+class HashingConfig(BaseModel):
+    block_chars: int = Field(default=256, gt=0, description="bytes of canonical text per block (~64 tokens)")
+    max_blocks: int = Field(default=8192, ge=0, description="blocks hashed at most (~2M characters)")
+    chars_per_token: float = Field(default=4.0, gt=0, description="estimate of characters per token")
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="larger bodies get 413")
+    keep_routing_text: bool = Field(default=False, description="build routing_text (sglang-cache-aware baseline)")
+    routing_key_blocks: int = Field(default=1, ge=1, description="prefix blocks named by a session-less routing key")
+
+
+class SessionConfig(BaseModel):
+    """Which headers name a conversation, first match wins (header names in lower case).
+
+    Order: our explicit ``x-kvgate-session``; Claude Code's ``x-claude-code-agent-id``
+    before its ``x-claude-code-session-id`` (a subagent is its own conversation with its
+    own prefix, inside the session); Codex ``session-id``; OpenCode ``x-session-id``.
+    Then the OpenAI ``user`` field (as ``user:<value>``) when ``use_user_field``.
+    """
+
+    headers: list[str] = Field(default_factory=lambda: [
+        "x-kvgate-session", "x-claude-code-agent-id", "x-claude-code-session-id", "session-id", "x-session-id",
+    ])
+    parent_headers: list[str] = Field(default_factory=lambda: [
+        "x-kvgate-parent-session", "x-claude-code-parent-agent-id", "x-parent-session-id",
+    ])
+    parent_fallback: dict[str, str] = Field(
+        default_factory=lambda: {"x-claude-code-agent-id": "x-claude-code-session-id"},
+        description="session header -> header naming the parent when no parent header was sent",
+    )
+    use_user_field: bool = True
+
+
+class ContextSettings(Protocol):
+    """What ``build_context`` reads from the gateway's settings (``Settings`` satisfies it)."""
+
+    @property
+    def hashing(self) -> HashingConfig: ...
+
+    @property
+    def sessions(self) -> SessionConfig: ...
+
+
+class ContextConfig(BaseModel):
+    """A standalone ``ContextSettings`` (tests, benchmarks)."""
+
+    hashing: HashingConfig = Field(default_factory=HashingConfig)
+    sessions: SessionConfig = Field(default_factory=SessionConfig)
+
+
+def _bounded(value: str) -> str:
+    return value if len(value) <= MAX_KEY_CHARS else "h:" + xxhash.xxh3_128_hexdigest(value.encode())
+
+
+def session_keys(headers: Mapping[str, str], user: Any, cfg: SessionConfig) -> SessionKeys:
+    """The conversation's key and its parent's (see ``SessionConfig``)."""
+    session = source = None
+    for name in cfg.headers:
+        value = headers.get(name)
+        if value:
+            session, source = _bounded(value), name
+            break
+    if session is None and cfg.use_user_field and isinstance(user, str) and user:
+        session = _bounded("user:" + user)
+    parent = next((_bounded(v) for name in cfg.parent_headers if (v := headers.get(name))), None)
+    if parent is None and source is not None and (fallback := cfg.parent_fallback.get(source)):
+        value = headers.get(fallback)
+        parent = _bounded(value) if value else None
+    return SessionKeys(session=session, parent=parent if parent != session else None)
+
+
+def _check_content_type(content_type: str | None) -> None:
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise UnsupportedMediaType(f"content type must be application/json, got {content_type!r}")
+
+
+def _parse(body: bytes, limit: int) -> dict[str, Any]:
+    if len(body) > limit:
+        raise PayloadTooLarge(f"request body is {len(body)} bytes; the limit is {limit}")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"malformed JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("the JSON body must be an object")
+    return data
+
+
+def _optional_int(data: Mapping[str, Any], name: str) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"'{name}' must be a non-negative integer", param=name)
+    return value
+
+
+def _stream(data: Mapping[str, Any]) -> bool:
+    value = data.get("stream")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    return value
+
+
+def _model(data: Mapping[str, Any]) -> str:
+    model = data.get("model")
+    if model is None or model == "":
+        return "default"  # SGLang serves a single model and accepts a missing one
+    if not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string", param="model")
+    return model
+
+
+def _check_messages(messages: Any) -> list[Any]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = msg.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequest(f"messages[{i}].content must be a string or an array", param="messages")
+    return messages
+
+
+def _is_text_prompt(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and bool(value) and all(isinstance(p, str) for p in value)
+    )
+
+
+def _render(endpoint: str, data: dict[str, Any], keep_text: bool) -> tuple[bytes, int, str, int | None]:
+    """(bytes to hash, prompt characters, routing text, exact token count when ids were sent)."""
+    if endpoint == "chat":
+        messages = _check_messages(data.get("messages"))
+        text = prefix_hash.render_chat(messages, data.get("tools"))
+        return text.encode(), len(text), prefix_hash.chat_routing_text(messages) if keep_text else "", None
+    field = "prompt" if endpoint == "completions" else ("text" if "text" in data else "input_ids")
+    prompt: Any = data.get(field)
+    if endpoint == "generate" and prompt is None:
+        raise InvalidRequest("'text' or 'input_ids' is required", param="text")
+    if prefix_hash.is_token_ids(prompt):
+        try:
+            raw, n_tokens = prefix_hash.render_token_ids(prompt)
+        except ValueError as exc:
+            raise InvalidRequest(f"'{field}': {exc}", param=field) from exc
+        return raw, 0, "", n_tokens
+    if not _is_text_prompt(prompt) or prompt == "":
+        raise InvalidRequest(f"'{field}' must be a non-empty string, array of strings or token ids", param=field)
+    text = prefix_hash.render_text_prompt(prompt)
+    routing_text = (prompt if isinstance(prompt, str) else " ".join(prompt)) if keep_text else ""
+    return text.encode(), len(text), routing_text, None
+
+
+def _max_tokens(endpoint: str, data: Mapping[str, Any]) -> int | None:
+    if endpoint == "generate":
+        params = data.get("sampling_params")
+        if params is None:
+            return None
+        if not isinstance(params, dict):
+            raise InvalidRequest("'sampling_params' must be an object", param="sampling_params")
+        return _optional_int(params, "max_new_tokens")
+    value = _optional_int(data, "max_tokens")
+    return _optional_int(data, "max_completion_tokens") if value is None and endpoint == "chat" else value
+
+
+def build_context(
+    endpoint: str, body: bytes, headers: Mapping[str, str], content_type: str | None, cfg: ContextSettings
+) -> RequestContext:
+    """Validate and parse ``body`` once; hash its canonical rendering; name its session.
+
+    ``headers`` must have lower-case keys. Raises ``InvalidRequest`` (400),
+    ``UnsupportedMediaType`` (415) or ``PayloadTooLarge`` (413).
+    """
+    kind = ENDPOINTS.get(endpoint)
+    if kind is None:
+        raise ValueError(f"unknown endpoint {endpoint!r}")
+    hcfg = cfg.hashing
+    _check_content_type(content_type)
+    data = _parse(body, hcfg.max_body_bytes)
+    model = _model(data)
+    max_tokens, stream = _max_tokens(kind, data), _stream(data)
+    raw, chars, routing_text, n_tokens = _render(kind, data, hcfg.keep_routing_text)
+    hashes = prefix_hash.chain_hashes(raw, model, hcfg.block_chars, hcfg.max_blocks)
+    if n_tokens is not None:
+        chars = int(n_tokens * hcfg.chars_per_token)
+    session = session_keys(headers, data.get("user"), cfg.sessions)
+    request_id = headers.get("x-request-id") or os.urandom(12).hex()
+    return RequestContext(
+        request_id=_bounded(request_id),
+        endpoint=kind,
+        model=model,
+        session=session,
+        block_hashes=hashes,
+        prompt_chars=chars,
+        est_prompt_tokens=n_tokens if n_tokens is not None else int(chars / hcfg.chars_per_token),
+        block_tokens=max(1, int(hcfg.block_chars / hcfg.chars_per_token)),
+        max_tokens=max_tokens,
+        stream=stream,
+        routing_key=session.session or _prefix_key(raw, model, hashes, hcfg.routing_key_blocks),
+        routing_text=routing_text,
+    )
+
+
+def _prefix_key(raw: bytes, model: str, hashes: tuple[int, ...], depth: int) -> str:
+    """A session-less request's stable key: its prefix hash at ``depth`` blocks (or whole text)."""
+    if hashes:
+        return f"p:{hashes[min(depth, len(hashes)) - 1]:016x}"
+    return f"p:{xxhash.xxh3_64_intdigest(raw, prefix_hash.model_seed(model)):016x}"

@@ -1,0 +1,134 @@
+"""Canonical rendering of a request and its chained block hashes (docs/design.md "Block hashing").
+
+Rendering (one string, so that turn T's rendering is a prefix of turn T+1's):
+- chat: the ``tools`` array first (canonical JSON: sorted keys, no spaces), then each
+  message as ``\\x01 role \\x02 content \\x03``; content is the string, or the content parts
+  in order (text parts: their text; other parts: ``<type:digest>`` with an xxh3 digest of
+  the part's canonical JSON, so a 2 MB image costs one hash, not 8,000 blocks), then the
+  message's tool calls as ``\\x04 name \\x05 arguments``.
+- completions / generate text: the prompt string (a list of strings: joined by ``\\x1e``).
+- token ids (``prompt`` or ``input_ids`` as integer lists): the ids as 4-byte little-endian
+  integers, so a 256-byte block is exactly 64 tokens.
+
+Blocks are cut on the UTF-8 *bytes* of the rendering (``block_chars`` bytes each): slicing
+a ``memoryview`` costs nothing, while cutting on characters would need a scan of the
+string. For ASCII (code, English) bytes = characters; for other scripts a block covers
+fewer characters, consistently for every request, which is all the chain needs. Only full
+blocks are hashed, at most ``max_blocks`` of them. Chain: ``h_-1 = xxh3_64(model)``,
+``h_k = xxh3_64(block_k, seed=h_{k-1})``, so block k's hash names the whole prefix 0..k.
+"""
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import xxhash
+
+_xxh = xxhash.xxh3_64_intdigest
+_CANON = orjson.OPT_SORT_KEYS
+
+
+def model_seed(model: str) -> int:
+    """``h_-1``: the chain's seed, so equal prompts for different models never match."""
+    return _xxh(model.encode())
+
+
+def chain_hashes(data: bytes, model: str, block_bytes: int, max_blocks: int) -> tuple[int, ...]:
+    """Chained xxh3_64 hashes of the full ``block_bytes`` blocks of ``data`` (at most ``max_blocks``)."""
+    n = min(len(data) // block_bytes, max_blocks) if block_bytes > 0 else 0
+    view = memoryview(data)
+    h = model_seed(model)
+    out = [0] * n
+    for k in range(n):
+        start = k * block_bytes
+        h = out[k] = _xxh(view[start:start + block_bytes], h)
+    return tuple(out)
+
+
+def _digest(value: Any) -> str:
+    return f"{_xxh(orjson.dumps(value, option=_CANON)):016x}"
+
+
+def _render_content(content: Any, out: list[str]) -> None:
+    if isinstance(content, str):
+        out.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            elif isinstance(part, str):
+                out.append(part)
+            else:
+                kind = part.get("type", "part") if isinstance(part, dict) else "part"
+                out.append(f"<{kind}:{_digest(part)}>")
+    elif content is not None:
+        out.append(f"<content:{_digest(content)}>")
+
+
+def _render_tool_calls(calls: Any, out: list[str]) -> None:
+    if not isinstance(calls, list):
+        return
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            args = fn.get("arguments", "")
+            out += ["\x04", str(fn.get("name", "")), "\x05", args if isinstance(args, str) else _digest(args)]
+        else:
+            out += ["\x04", _digest(call)]
+
+
+def render_chat(messages: Sequence[Any], tools: Any = None) -> str:
+    """The canonical text of a chat request (see the module docstring)."""
+    out: list[str] = []
+    if tools:
+        out += ["\x01tools\x02", orjson.dumps(tools, option=_CANON).decode(), "\x03"]
+    for msg in messages:
+        role = msg.get("role", "") if isinstance(msg, dict) else ""
+        out += ["\x01", role if isinstance(role, str) else str(role), "\x02"]
+        if isinstance(msg, dict):
+            _render_content(msg.get("content"), out)
+            _render_tool_calls(msg.get("tool_calls"), out)
+        out.append("\x03")
+    return "".join(out)
+
+
+def chat_routing_text(messages: Sequence[Any]) -> str:
+    """SGLang router's routing text: the text content of all messages joined by single spaces."""
+    texts: list[str] = []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return " ".join(texts)
+
+
+def is_token_ids(value: Any) -> bool:
+    """An integer list (or a list of them): a prompt given as token ids."""
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    return isinstance(first, int) or (isinstance(first, list) and bool(first) and isinstance(first[0], int))
+
+
+def render_token_ids(value: list[Any]) -> tuple[bytes, int]:
+    """Token ids (flat or a batch of lists) as 4-byte native (x86: little-endian) ints; and the count.
+
+    Raises ValueError for anything but integers in [0, 2**32).
+    """
+    ids = array("I")
+    rows = value if isinstance(value[0], list) else [value]
+    try:
+        for row in rows:
+            ids.extend(row)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError("token ids must be integers in [0, 2**32)") from exc
+    return ids.tobytes(), len(ids)
+
+
+def render_text_prompt(prompt: str | list[str]) -> str:
+    """A completion/generate text prompt (a batch of strings is joined by ``\\x1e``)."""
+    return prompt if isinstance(prompt, str) else "\x1e".join(prompt)

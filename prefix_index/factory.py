@@ -1,0 +1,20 @@
+"""Build the configured prefix index backend (the only place that chooses one)."""
+from __future__ import annotations
+
+from prefix_index.base import PrefixIndex, ReplicaCapacity
+from prefix_index.config import IndexConfig
+from prefix_index.memory import MemoryPrefixIndex
+
+
+def make_index(config: IndexConfig) -> PrefixIndex:
+    """Redis when ``backend == "redis"`` or a ``redis_url`` is given, else the embedded one.
+
+    Creating the Redis backend does not connect: the first call does (and degrades to the
+    local copy if Redis is not there yet).
+    """
+    if config.backend == "redis" or config.redis_url:
+        from prefix_index.redis_backend import RedisPrefixIndex  # redis is imported only when used
+
+        return RedisPrefixIndex(config)
+    default = ReplicaCapacity(config.default_device_blocks, config.default_host_blocks)
+    return MemoryPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default)

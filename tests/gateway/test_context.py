@@ -1,0 +1,147 @@
+"""build_context: validation (4xx), session keys, hashing, sizes."""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway import prefix_hash as ph
+from gateway.context import ContextConfig, HashingConfig, SessionConfig, build_context, session_keys
+from gateway.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+
+CFG = ContextConfig()
+JSON = "application/json"
+
+
+def ctx_of(body: Any, endpoint: str = "chat", headers: dict[str, str] | None = None, cfg: ContextConfig = CFG) -> Any:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    return build_context(endpoint, raw, headers or {}, JSON, cfg)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "x" * 1000}], **extra}
+
+
+def test_chat_context() -> None:
+    ctx = ctx_of(chat(stream=True, max_tokens=7), headers={"x-request-id": "rid-1"})
+    assert (ctx.endpoint, ctx.model, ctx.stream, ctx.max_tokens, ctx.request_id) == ("chat", "m", True, 7, "rid-1")
+    text = ph.render_chat([{"role": "user", "content": "x" * 1000}])
+    assert ctx.block_hashes == ph.chain_hashes(text.encode(), "m", 256, 8192) and len(ctx.block_hashes) == 3
+    assert ctx.prompt_chars == len(text) and ctx.est_prompt_tokens == len(text) // 4 and ctx.block_tokens == 64
+    assert ctx.routing_key == f"p:{ctx.block_hashes[0]:016x}" and ctx.routing_text == ""
+    assert ctx_of(chat(max_completion_tokens=9)).max_tokens == 9
+    assert ctx_of(chat()).request_id != ctx_of(chat()).request_id
+
+
+def test_missing_model_is_default() -> None:
+    body = chat()
+    del body["model"]
+    assert ctx_of(body).model == "default"
+
+
+def test_routing_text_only_when_asked() -> None:
+    cfg = ContextConfig(hashing=HashingConfig(keep_routing_text=True))
+    body = {"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]}
+    assert ctx_of(body, cfg=cfg).routing_text == "a b"
+    assert ctx_of({"prompt": ["p", "q"]}, "completions", cfg=cfg).routing_text == "p q"
+
+
+def test_completions_and_generate() -> None:
+    c = ctx_of({"model": "m", "prompt": "y" * 600, "max_tokens": 3}, "/v1/completions")
+    assert c.endpoint == "completions" and len(c.block_hashes) == 2 and c.max_tokens == 3
+    ids = ctx_of({"prompt": list(range(200))}, "completions")
+    assert ids.est_prompt_tokens == 200 and len(ids.block_hashes) == 3 and ids.prompt_chars == 800
+    g = ctx_of({"text": "z" * 300, "sampling_params": {"max_new_tokens": 5}, "stream": False}, "generate")
+    assert g.endpoint == "generate" and g.max_tokens == 5 and len(g.block_hashes) == 1
+    gi = ctx_of({"input_ids": [[1] * 64, [2] * 64]}, "/generate")
+    assert gi.est_prompt_tokens == 128 and len(gi.block_hashes) == 2
+    short = ctx_of({"prompt": "hi"}, "completions")
+    assert short.block_hashes == () and short.routing_key and short.routing_key.startswith("p:")
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "param"),
+    [
+        (b"{not json", "chat", None),
+        (b"[1, 2]", "chat", None),
+        ({"model": "m"}, "chat", "messages"),
+        ({"messages": []}, "chat", "messages"),
+        ({"messages": "hi"}, "chat", "messages"),
+        ({"messages": [{"content": "x"}]}, "chat", "messages"),
+        ({"messages": [{"role": "user", "content": 5}]}, "chat", "messages"),
+        (chat(model=3), "chat", "model"),
+        (chat(max_tokens="5"), "chat", "max_tokens"),
+        (chat(max_tokens=1.5), "chat", "max_tokens"),
+        (chat(max_tokens=True), "chat", "max_tokens"),
+        (chat(max_tokens=-1), "chat", "max_tokens"),
+        (chat(stream="yes"), "chat", "stream"),
+        ({"model": "m"}, "completions", "prompt"),
+        ({"prompt": ""}, "completions", "prompt"),
+        ({"prompt": []}, "completions", "prompt"),
+        ({"prompt": [1, "a"]}, "completions", "prompt"),
+        ({"prompt": [-1]}, "completions", "prompt"),
+        ({"prompt": {"a": 1}}, "completions", "prompt"),
+        ({"sampling_params": {}}, "generate", "text"),
+        ({"text": "a", "sampling_params": []}, "generate", "sampling_params"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": "x"}}, "generate", "max_new_tokens"),
+    ],
+)
+def test_bad_input_is_400(body: Any, endpoint: str, param: str | None) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        ctx_of(body, endpoint)
+    assert err.value.status == 400 and err.value.param == param
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_content_type_and_size() -> None:
+    raw = orjson.dumps(chat())
+    for ok in (None, "application/json", "application/json; charset=utf-8", "application/vnd.x+json"):
+        build_context("chat", raw, {}, ok, CFG)
+    with pytest.raises(UnsupportedMediaType) as err:
+        build_context("chat", raw, {}, "text/plain", CFG)
+    assert err.value.status == 415
+    small = ContextConfig(hashing=HashingConfig(max_body_bytes=100))
+    with pytest.raises(PayloadTooLarge) as err2:
+        build_context("chat", raw, {}, JSON, small)
+    assert err2.value.status == 413
+    with pytest.raises(ValueError):
+        build_context("embeddings", raw, {}, JSON, CFG)
+
+
+def test_max_blocks_bounds_the_chain() -> None:
+    cfg = ContextConfig(hashing=HashingConfig(max_blocks=4))
+    assert len(ctx_of(chat(messages=[{"role": "user", "content": "x" * 100_000}]), cfg=cfg).block_hashes) == 4
+
+
+S = SessionConfig()
+
+
+@pytest.mark.parametrize(
+    ("headers", "user", "session", "parent"),
+    [
+        ({}, None, None, None),
+        ({}, "alice", "user:alice", None),
+        ({"x-kvgate-session": "k", "x-session-id": "o"}, "alice", "k", None),
+        ({"x-claude-code-session-id": "S"}, None, "S", None),
+        ({"x-claude-code-session-id": "S", "x-claude-code-agent-id": "A"}, None, "A", "S"),
+        ({"x-claude-code-session-id": "S", "x-claude-code-agent-id": "A", "x-claude-code-parent-agent-id": "P"},
+         None, "A", "P"),
+        ({"x-claude-code-session-id": "S", "x-claude-code-agent-id": "S"}, None, "S", None),
+        ({"session-id": "codex"}, "u", "codex", None),
+        ({"x-session-id": "oc", "x-parent-session-id": "ocp"}, None, "oc", "ocp"),
+    ],
+)
+def test_session_keys(headers: dict[str, str], user: Any, session: str | None, parent: str | None) -> None:
+    keys = session_keys(headers, user, S)
+    assert (keys.session, keys.parent) == (session, parent)
+
+
+def test_session_keys_configurable_and_bounded() -> None:
+    cfg = SessionConfig(headers=["x-mine"], parent_headers=[], use_user_field=False)
+    assert session_keys({"x-mine": "m", "x-kvgate-session": "k"}, "u", cfg).session == "m"
+    assert session_keys({}, "u", cfg).session is None
+    long = session_keys({"x-kvgate-session": "z" * 1000}, None, S).session
+    assert long is not None and len(long) < 50
+    ctx = ctx_of(chat(), headers={"x-kvgate-session": "k"})
+    assert ctx.routing_key == "k" and ctx.session.session == "k"
