@@ -59,7 +59,7 @@ class SessionEntry:
 
     replica: ReplicaId
     tokens: int
-    last_seen_s: float
+    last_seen_s: float  # wall-clock seconds (time.time()) so several processes agree
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +79,9 @@ class PrefixIndex(Protocol):
         self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]
     ) -> dict[ReplicaId, PrefixMatch]:
         """Longest matched prefix of ``hashes`` for each of ``replicas``.
+
+        ``hashes`` is a chain: holding block k implies holding blocks 0..k-1 (backends
+        may rely on it to search instead of checking every block).
 
         Every replica asked for appears in the answer (``PrefixMatch()`` when nothing
         matches). Pure read: does not touch LRU order.
