@@ -1,0 +1,376 @@
+"""Load drivers: closed-loop sessions and open-loop replay against an OpenAI-compatible URL.
+
+One asyncio loop, one shared ``httpx.AsyncClient``. Every request is a streaming chat
+completion with ``stream_options.include_usage``, ``max_tokens`` = the trace's output
+tokens and ``ignore_eos`` (SGLang extension) so output lengths are exact, and the
+session's headers (Claude Code: ``x-claude-code-session-id``; subagents add
+``x-claude-code-agent-id`` / ``x-claude-code-parent-agent-id``).
+
+- Closed loop: a session sends turn ``i`` ``think_time`` after the response to turn
+  ``i-1`` ended and after the subagents that turn started have finished. Sessions run
+  ``sessions_concurrent`` at a time (the next session starts when one ends), or arrive as
+  a Poisson process of ``session_rate`` per second (optionally capped in concurrency).
+- Open loop: every turn is sent at its recorded ``arrival_s``.
+
+Time: think times are multiplied by ``think_scale`` (and capped at ``max_think_s``), then
+every wait is divided by ``time_scale``; recorded durations are multiplied back by
+``time_scale`` (target seconds). Bounds: ``max_requests`` and ``duration_s`` (wall); at
+the deadline no new request starts and in-flight ones get ``grace_s`` to finish.
+
+The SSE stream is parsed cheaply (`StreamParser`): events are split on blank lines,
+content chunks are recognised by a byte search, and only the usage chunk and error
+events go through ``orjson.loads``.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+
+from loadtest.prompts import PromptRenderer, PromptSpec
+from loadtest.results import RequestRecord, percentile
+from loadtest.workload import Session, Turn, Workload
+
+
+class RemoteTargetError(ValueError):
+    """The target is not on this machine and --allow-remote was not given."""
+
+
+def check_target(url: str, allow_remote: bool = False) -> str:
+    """The target base URL (no trailing ``/`` or ``/v1``); refuses non-loopback hosts."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(f"target must be an http(s) URL, got {url!r}")
+    if not allow_remote and not _is_loopback(host):
+        raise RemoteTargetError(f"refusing non-loopback target {host!r} (use --allow-remote)")
+    base = url.rstrip("/")
+    return base.removesuffix("/v1")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    target: str
+    model: str | None = None  # None: the first id of GET /v1/models
+    sessions_concurrent: int | None = 16
+    session_rate: float | None = None  # sessions per target second (Poisson)
+    time_scale: float = 1.0
+    think_scale: float = 1.0
+    max_think_s: float | None = None  # cap on one think time (target seconds)
+    ramp_s: float = 0.0  # closed loop: first sessions start uniformly over this (target s)
+    max_requests: int | None = None
+    duration_s: float | None = None  # wall seconds
+    grace_s: float = 30.0
+    request_timeout_s: float = 600.0
+    max_inflight: int = 4096
+    keep_itl: bool = False
+    allow_remote: bool = False
+    seed: int = 0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+class StreamParser:
+    """Feeds on raw SSE bytes; keeps token-chunk times, usage and errors."""
+
+    __slots__ = ("buf", "done", "error", "times", "usage")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.times: list[float] = []
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def feed(self, data: bytes, now: float) -> None:
+        buf = self.buf + data if self.buf else data
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            self._event(buf[start:end], now)
+            start = end + 2
+        self.buf = buf[start:]
+
+    def _event(self, ev: bytes, now: float) -> None:
+        if not ev.startswith(b"data: "):
+            return
+        if (b'"content":"' in ev and b'"content":""' not in ev) or b'"reasoning_content":"' in ev \
+                or (b'"text":"' in ev and b'"text":""' not in ev):
+            self.times.append(now)
+        if b'"usage":{' in ev:
+            doc = orjson.loads(ev[6:])
+            self.usage = doc.get("usage")
+        elif ev.startswith(b'data: {"error"'):
+            doc = orjson.loads(ev[6:])
+            self.error = str(doc["error"].get("message", doc["error"]))[:300]
+        elif ev.startswith(b"data: [DONE]"):
+            self.done = True
+
+
+@dataclass
+class _Counters:
+    sent: int = 0
+    inflight: int = 0
+    max_inflight: int = 0
+
+
+RecordCallback = Callable[[RequestRecord], None]
+
+
+class Driver:
+    def __init__(self, config: DriverConfig, client: httpx.AsyncClient,
+                 on_record: RecordCallback | None = None) -> None:
+        self.cfg = config
+        self.base = check_target(config.target, config.allow_remote)
+        self.client = client
+        self.on_record = on_record
+        self.records: list[RequestRecord] = []
+        self.renderer = PromptRenderer()
+        self.rng = random.Random(config.seed)
+        self.counters = _Counters()
+        self.model = config.model or ""
+        self._t0 = 0.0
+        self._deadline = float("inf")
+        self._gate = asyncio.Semaphore(config.max_inflight)
+
+    # ---- timing ---------------------------------------------------------------------
+    def _now(self) -> float:
+        return time.monotonic()
+
+    def _stopped(self) -> bool:
+        c = self.cfg
+        return self._now() >= self._deadline or (c.max_requests is not None and self.counters.sent >= c.max_requests)
+
+    async def _sleep_until(self, wall: float) -> None:
+        delay = min(wall, self._deadline) - self._now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def _think_wall(self, think_s: float) -> float:
+        s = think_s * self.cfg.think_scale
+        if self.cfg.max_think_s is not None:
+            s = min(s, self.cfg.max_think_s)
+        return s / self.cfg.time_scale
+
+    # ---- run ------------------------------------------------------------------------
+    async def run(self, workload: Workload) -> list[RequestRecord]:
+        if not self.model:
+            self.model = await self._discover_model()
+        self._t0 = self._now()
+        if self.cfg.duration_s is not None:
+            self._deadline = self._t0 + self.cfg.duration_s
+        if workload.open_loop:
+            await self._open_loop(workload)
+        elif self.cfg.session_rate:
+            await self._session_arrivals(workload)
+        else:
+            await self._closed_pool(workload)
+        return self.records
+
+    async def _discover_model(self) -> str:
+        try:
+            r = await self.client.get(f"{self.base}/v1/models", timeout=10.0)
+            data = r.json().get("data") or []
+            return str(data[0]["id"]) if data else "default"
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            return "default"
+
+    async def _closed_pool(self, workload: Workload) -> None:
+        sessions = iter(workload.sessions)
+        n = max(1, self.cfg.sessions_concurrent or 1)
+        ramp = self.cfg.ramp_s / self.cfg.time_scale
+
+        async def worker(k: int) -> None:
+            await self._sleep_until(self._t0 + (ramp * k / n))
+            for s in sessions:
+                if self._stopped():
+                    return
+                await self._session(s)
+
+        await self._bounded(asyncio.gather(*(worker(k) for k in range(n))))
+
+    async def _session_arrivals(self, workload: Workload) -> None:
+        rate = float(self.cfg.session_rate or 1.0) / self.cfg.time_scale
+        cap = asyncio.Semaphore(self.cfg.sessions_concurrent or 1 << 30)
+        tasks: list[asyncio.Task[None]] = []
+
+        async def one(s: Session) -> None:
+            async with cap:
+                await self._session(s)
+
+        async def spawn() -> None:
+            t = self._t0
+            for s in workload.sessions:
+                if self._stopped():
+                    break
+                tasks.append(asyncio.create_task(one(s)))
+                t += self.rng.expovariate(rate)
+                await self._sleep_until(t)
+            await asyncio.gather(*tasks)
+
+        await self._bounded(spawn(), tasks)
+
+    async def _open_loop(self, workload: Workload) -> None:
+        tasks: list[asyncio.Task[None]] = []
+
+        async def spawn() -> None:
+            for arrival, session, i, turn, ids in _arrivals(workload):
+                await self._sleep_until(self._t0 + arrival / self.cfg.time_scale)
+                if self._stopped():
+                    break
+                spec = PromptSpec(session.namespace, session.id, session.block_size, session.system_blocks)
+                messages = self.renderer.messages(spec, ids, turn.in_tokens, i)
+                self.counters.sent += 1
+                tasks.append(asyncio.create_task(self._request(session, i, turn, messages)))
+            await asyncio.gather(*tasks)
+
+        await self._bounded(spawn(), tasks)
+
+    async def _bounded(self, main: Any, tasks: list[asyncio.Task[None]] | None = None) -> None:
+        """Run ``main``; past the deadline, give in-flight work ``grace_s`` then cancel."""
+        job = asyncio.ensure_future(main)
+        if self._deadline == float("inf"):
+            await job
+            return
+        await asyncio.wait([job], timeout=max(0.0, self._deadline - self._now()) + self.cfg.grace_s)
+        if not job.done():
+            job.cancel()
+            for t in tasks or ():
+                t.cancel()
+            await asyncio.gather(job, *(tasks or ()), return_exceptions=True)
+
+    async def _session(self, session: Session) -> None:
+        spec = PromptSpec(session.namespace, session.id, session.block_size, session.system_blocks)
+        subs: list[asyncio.Task[None]] = []
+        ready = self._now() + (self._think_wall(session.start_delay_s) if session.parent else 0.0)
+        try:
+            for i, (turn, ids) in enumerate(zip(session.turns, session.hash_id_lists())):
+                if i > 0:
+                    ready += self._think_wall(turn.think_time_s)
+                await self._sleep_until(ready)
+                if subs:
+                    await asyncio.gather(*subs)
+                    subs = []
+                if self._stopped():
+                    break
+                self.counters.sent += 1
+                await self._request(session, i, turn, self.renderer.messages(spec, ids, turn.in_tokens, i))
+                ready = self._now()
+                subs = [asyncio.create_task(self._session(s)) for s in turn.subagents]
+            await asyncio.gather(*subs)
+        finally:
+            for t in subs:
+                t.cancel()
+
+    # ---- one request ----------------------------------------------------------------
+    async def _request(self, session: Session, i: int, turn: Turn, messages: list[dict[str, str]]) -> None:
+        body = {"model": self.model, "messages": messages, "stream": True,
+                "stream_options": {"include_usage": True}, "max_tokens": turn.out_tokens,
+                "ignore_eos": True, **self.cfg.extra_body}
+        headers = {"content-type": "application/json", **session.headers}
+        async with self._gate:
+            c = self.counters
+            c.inflight += 1
+            c.max_inflight = max(c.max_inflight, c.inflight)
+            try:
+                rec = await self._stream(session, i, turn, orjson.dumps(body), headers)
+            finally:
+                c.inflight -= 1
+        self.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+
+    async def _stream(self, session: Session, i: int, turn: Turn, payload: bytes,
+                      headers: dict[str, str]) -> RequestRecord:
+        scale = self.cfg.time_scale
+        t_send = self._now()
+        base: dict[str, Any] = {"session": session.id, "turn": i, "t_start_s": (t_send - self._t0) * scale,
+                                "trace_in_tokens": turn.in_tokens, "trace_out_tokens": turn.out_tokens,
+                                "agent": session.parent is not None}
+        parser = StreamParser()
+        try:
+            req = self.client.build_request("POST", f"{self.base}/v1/chat/completions",
+                                            content=payload, headers=headers)
+            resp = await self.client.send(req, stream=True)
+            try:
+                replica = resp.headers.get("x-kvgate-replica")
+                if resp.status_code != 200:
+                    text = (await resp.aread())[:300].decode(errors="replace")
+                    return RequestRecord(**base, status=resp.status_code, replica=replica,
+                                         e2e_s=(self._now() - t_send) * scale,
+                                         rejected=resp.status_code in (429, 503), error=text)
+                async for chunk in resp.aiter_raw():
+                    parser.feed(chunk, self._now())
+            finally:
+                await resp.aclose()
+        except httpx.HTTPError as e:
+            return RequestRecord(**base, status=0, e2e_s=(self._now() - t_send) * scale,
+                                 error=f"{type(e).__name__}: {e}"[:300])
+        return _record(base, parser, t_send, self._now(), scale, replica, self.cfg.keep_itl)
+
+
+def _record(base: dict[str, Any], p: StreamParser, t_send: float, t_end: float, scale: float,
+            replica: str | None, keep_itl: bool) -> RequestRecord:
+    usage = p.usage or {}
+    details = usage.get("prompt_tokens_details") or {}
+    n_out = int(usage.get("completion_tokens") or len(p.times))
+    ttft = (p.times[0] - t_send) * scale if p.times else None
+    gaps = [(b - a) * scale for a, b in zip(p.times, p.times[1:])]
+    decode_s = (p.times[-1] - p.times[0]) * scale if len(p.times) > 1 else 0.0
+    error = p.error or (None if p.done else "stream ended without [DONE]")
+    return RequestRecord(
+        **base, status=200, ttft_s=ttft, e2e_s=(t_end - t_send) * scale, output_tokens=n_out,
+        output_tps=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
+        itl_mean_s=sum(gaps) / len(gaps) if gaps else None, itl_p50_s=percentile(gaps, 50),
+        itl_p99_s=percentile(gaps, 99), prompt_tokens=usage.get("prompt_tokens"),
+        cached_tokens=details.get("cached_tokens"), replica=replica, error=error,
+        itl_s=tuple(gaps) if keep_itl else None)
+
+
+def _arrivals(workload: Workload) -> Iterator[tuple[float, Session, int, Turn, list[int]]]:
+    """Every turn of an open-loop workload, in arrival order (hash id lists copied)."""
+    items = [(turn.arrival_s, s, i, turn, list(ids)) for s in workload.sessions
+             for i, (turn, ids) in enumerate(zip(s.turns, s.hash_id_lists()))]
+    items.sort(key=lambda x: x[0])
+    return iter(items)
+
+
+def make_client(connections: int = 1024, request_timeout_s: float = 600.0) -> httpx.AsyncClient:
+    """The one shared client: enough connections for every in-flight stream."""
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    timeout = httpx.Timeout(request_timeout_s, connect=10.0, pool=None)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+async def drive(workload: Workload, config: DriverConfig,
+                on_record: RecordCallback | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Run a workload; returns the records and driver stats (CPU, reached concurrency)."""
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    conns = max(64, 2 * (config.sessions_concurrent or 0), 256 if workload.open_loop else 0)
+    async with make_client(conns, config.request_timeout_s) as client:
+        driver = Driver(config, client, on_record)
+        records = await driver.run(workload)
+    wall = time.monotonic() - wall0
+    stats = {"wall_s": wall, "driver_cpu_s": time.process_time() - cpu0,
+             "driver_cpu_frac": (time.process_time() - cpu0) / wall if wall > 0 else 0.0,
+             "max_inflight": driver.counters.max_inflight, "sent": driver.counters.sent,
+             "model": driver.model}
+    return records, stats
