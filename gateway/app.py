@@ -1,0 +1,247 @@
+"""The FastAPI application: wiring (lifespan), the OpenAI endpoints, health, metrics.
+
+``create_app(settings)`` builds an app whose lifespan owns every long-lived object,
+kept on ``app.state.gateway`` (a ``Gateway``), never in module globals:
+
+- one shared ``httpx.AsyncClient`` (explicit timeouts and pool limits, HTTP/1.1
+  keep-alive; it carries no default headers of its own, so the replica sees the
+  client's headers),
+- the prefix index (``prefix_index.factory.make_index``),
+- the replica registry (probes, load accounting, drain), started and stopped here,
+- the policy (``policies.registry.make_policy``) and the ``Router`` around it,
+- registry listeners: a replica joining sizes its LRU in the index (tokens -> blocks,
+  ``block_tokens = hashing.block_chars / hashing.chars_per_token``) and tells the
+  policy; a replica leaving is forgotten by the index and the policy.
+
+Inference endpoints read the body once (bounded by ``max_body_bytes``), build the
+``RequestContext`` (``gateway.context.build_context``: the only parse of the body) and
+hand both to ``gateway.proxy.Proxy``. Errors are OpenAI-shaped (``gateway.errors``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from gateway import admin
+from gateway.context import build_context
+from gateway.errors import GatewayError, InvalidRequest, NotFound, PayloadTooLarge
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.proxy import (
+    Proxy,
+    RelayResponse,
+    error_response,
+    json_response,
+    route_headers,
+    upstream_headers,
+)
+from gateway.router import FleetListener, Router
+from gateway.settings import Settings
+from policies.framework import Pipeline
+from policies.registry import make_policy
+from prefix_index.base import PrefixIndex
+from prefix_index.factory import make_index
+from replicas.discovery import make_discovery
+from replicas.registry import Registry
+from replicas.shared_state import SharedState
+
+log = logging.getLogger("kvgate.app")
+
+ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
+
+
+def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The one upstream client: explicit timeouts, pool limits, no default headers.
+
+    ``transport`` replaces the network (unit tests inject ``httpx.MockTransport``)."""
+    timeout = httpx.Timeout(connect=settings.connect_timeout_s, read=settings.read_timeout_s,
+                            write=settings.read_timeout_s, pool=settings.first_byte_timeout_s)
+    limits = httpx.Limits(max_connections=settings.max_connections,
+                          max_keepalive_connections=settings.max_connections, keepalive_expiry=30.0)
+    client = httpx.AsyncClient(timeout=timeout, limits=limits, http1=True, http2=False,
+                               follow_redirects=False, trust_env=False, transport=transport)
+    for name in ("accept", "accept-encoding", "user-agent", "connection"):
+        client.headers.pop(name, None)
+    return client
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class Gateway:
+    """Everything a request needs, built by the lifespan and kept on ``app.state``."""
+
+    def __init__(self, settings: Settings, client: httpx.AsyncClient, index: PrefixIndex,
+                 registry: Registry, policy: Pipeline, *, shared_state: bool = False) -> None:
+        self.settings = settings
+        self.client = client
+        self.index = index
+        self.registry = registry
+        self.policy = policy
+        self.shared_state = shared_state  # several gateways share replica state (reserve())
+        self.metrics = GatewayMetrics()
+        self.router = Router(policy, index, registry.views, self.metrics,
+                             resident_window_s=policy.resident_window_s,
+                             rng=random.Random(settings.policy.seed))
+        self.proxy = Proxy(self)
+        hashing = settings.hashing
+        self.fleet = FleetListener(index, policy, hashing.block_chars / hashing.chars_per_token)
+        registry.add_listener(self.fleet)
+        self._discovery: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.registry.start()
+        if self.settings.registry.discovery != "static":
+            discovery = make_discovery(self.settings.registry, self.registry)
+            self._discovery = asyncio.create_task(discovery.run(), name="discovery")
+
+    async def close(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
+            await asyncio.gather(self._discovery, return_exceptions=True)
+        await self.registry.stop()
+        await self.fleet.close()
+        await self.index.close()
+        await self.client.aclose()
+
+    def request_done(self, endpoint: str, status: int, started_s: float) -> None:
+        self.metrics.request_done(endpoint, status, time.perf_counter() - started_s)
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        """One inference request: read, parse once, route and relay."""
+        started_s = time.perf_counter()
+        try:
+            body = await read_body(request, self.settings.hashing.max_body_bytes)
+            headers = request.headers
+            ctx = build_context(endpoint, body, headers, headers.get("content-type"), self.settings)
+            response = await self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body,
+                                                upstream_headers(headers.raw), started_s)
+        except GatewayError as exc:
+            response = error_response(exc, route_headers("none", "rejected"))
+        if not isinstance(response, RelayResponse):  # streams count themselves when they end
+            self.request_done(endpoint, response.status_code, started_s)
+        return response
+
+    async def refresh_metrics(self) -> None:
+        """Fleet gauges and cumulative totals kept by the registry, index and policy."""
+        try:
+            stats = await self.index.stats()
+        except Exception as exc:  # noqa: BLE001 - a scrape must work with the index down
+            log.warning("index stats failed: %s: %s", type(exc).__name__, exc)
+            stats = None
+        self.metrics.refresh_fleet(self.registry.views(), stats)
+        self.metrics.plugin_time({k: t.total_s for k, t in self.policy.timings().items()})
+        self.metrics.index_degraded_backend(int(getattr(self.index, "degraded_total", 0)))
+
+
+def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> Gateway:
+    client = make_client(settings, transport)
+    index = make_index(settings.index)
+    policy = make_policy(settings.policy.name, settings.policy.params, settings.policy.seed)
+    shared_cfg = settings.registry.shared
+    shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
+    registry = Registry(settings.registry, client, shared=shared)
+    return Gateway(settings, client, index, registry, policy, shared_state=shared is not None)
+
+
+def _install_routes(app: FastAPI) -> None:
+    def gw(request: Request) -> Gateway:
+        gateway: Gateway = request.app.state.gateway
+        return gateway
+
+    def inference(endpoint: str) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            return await gw(request).handle(request, endpoint)
+
+        return handler
+
+    # plain Starlette routes: the hot path skips FastAPI's dependency machinery
+    for endpoint, path in ENDPOINT_PATHS.items():
+        app.add_route(path, inference(endpoint), methods=["POST"], include_in_schema=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return json_response({"object": "list", "data": gw(request).registry.models()})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        routable = sum(1 for v in gw(request).registry.views() if v.routable)
+        return json_response({"ready": routable > 0, "routable_replicas": routable}, 200 if routable else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        gateway = gw(request)
+        await gateway.refresh_metrics()
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        error: GatewayError = NotFound(f"no route {request.method} {request.url.path}")
+        if exc.status_code != 404:
+            error = GatewayError(str(exc.detail))
+            error.status = exc.status_code
+            error.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # reached only through Starlette's ServerErrorMiddleware, which logs the traceback
+        return error_response(GatewayError(f"internal gateway error ({type(exc).__name__})"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return error_response(InvalidRequest(f"invalid request: {first.get('msg', exc)}", param=param))
+
+
+def create_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The gateway app; ``transport`` (tests only) replaces the network to the replicas."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gateway = build_gateway(settings, transport)
+        await gateway.start()
+        app.state.gateway = gateway
+        log.info("kvgate gateway on %s:%d, policy %s, %d static replica(s)", settings.host, settings.port,
+                 settings.policy.name, len(settings.registry.replicas))
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    _install_routes(app)
+    _install_error_handlers(app)
+    app.include_router(admin.router)
+    return app

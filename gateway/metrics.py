@@ -1,0 +1,163 @@
+"""The gateway's Prometheus metrics, all in one place, on the gateway's own registry.
+
+Names are layered (``kvgate_<thing>_<unit>``) and labels bounded: ``endpoint`` (chat,
+completions, generate, models, ...), ``status`` (HTTP code), ``policy``, ``reason`` (the
+policy's small vocabulary), ``replica`` (fleet size), ``state``, ``tier``, ``plugin``.
+
+Request-path metrics are updated as requests go; fleet gauges (replica state, load,
+index sizes) are refreshed from the registry and the index when ``/metrics`` is scraped
+(``refresh_fleet``), so they cost nothing between scrapes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from prefix_index.base import IndexStats
+from replicas.model import ReplicaState, ReplicaView
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# seconds; spans fast cache hits to long prefills of huge prompts
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
+DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+HIT_RATIO_WINDOW = 256  # requests in the "recent" cache hit ratio
+
+
+class GatewayMetrics:
+    """Owns a ``CollectorRegistry`` (so tests and several apps in one process never clash)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvgate_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.route_decisions = Counter("kvgate_route_decisions", "Routing decisions by policy and reason",
+                                       ["policy", "reason"], registry=r)
+        self.predicted_cached_tokens = Counter(
+            "kvgate_predicted_cached_tokens", "Prompt tokens the policy predicted cached", registry=r)
+        self.reported_cached_tokens = Counter(
+            "kvgate_reported_cached_tokens", "Prompt tokens replicas reported cached (usage)", registry=r)
+        self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens replicas reported (usage)",
+                                     registry=r)
+        self.cache_hit_ratio = Gauge(
+            "kvgate_cache_hit_ratio",
+            f"Reported cached / prompt tokens over the last {HIT_RATIO_WINDOW} requests with usage",
+            registry=r)
+        self.ttft = Histogram("kvgate_request_ttft_seconds", "Time to the first body byte from the replica",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("kvgate_inter_token_latency_seconds",
+                             "Mean gap between output tokens of a streamed request",
+                             buckets=ITL_BUCKETS_S, registry=r)
+        self.duration = Histogram("kvgate_request_duration_seconds", "Whole request, arrival to last byte",
+                                  ["endpoint"], buckets=DURATION_BUCKETS_S, registry=r)
+        self.replica_state = Gauge("kvgate_replica_state", "1 for the replica's current state",
+                                   ["replica", "state"], registry=r)
+        self.replica_in_flight = Gauge("kvgate_replica_in_flight", "Requests routed and not finished",
+                                       ["replica"], registry=r)
+        self.replica_pending_prefill = Gauge(
+            "kvgate_replica_pending_prefill_tokens", "Predicted uncached tokens not yet at first byte",
+            ["replica"], registry=r)
+        self.index_blocks = Gauge("kvgate_index_blocks", "Blocks the index believes a replica holds",
+                                  ["replica", "tier"], registry=r)
+        self.index_degraded = Counter("kvgate_index_degraded",
+                                      "Index calls that failed or timed out (routing lost affinity)",
+                                      registry=r)
+        self.upstream_retries = Counter("kvgate_upstream_retries",
+                                        "Attempts retried on another replica, by cause", ["reason"], registry=r)
+        self.plugin_seconds = Counter("kvgate_policy_plugin_seconds",
+                                      "Time spent in each policy plugin", ["plugin"], registry=r)
+        self._hits: deque[tuple[int, int]] = deque(maxlen=HIT_RATIO_WINDOW)
+        self._hit_sums = [0, 0]  # cached, prompt over the window
+        self._seen: dict[str, float] = {}
+        # label children cached on the request path (label lookups are not free)
+        self._done: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._decisions: dict[tuple[str, str], Any] = {}
+
+    # -- request path -------------------------------------------------------------
+    def request_done(self, endpoint: str, status: int, duration_s: float) -> None:
+        key = (endpoint, status)
+        children = self._done.get(key)
+        if children is None:
+            children = self._done[key] = (self.requests.labels(endpoint, str(status)),
+                                          self.duration.labels(endpoint))
+        children[0].inc()
+        children[1].observe(duration_s)
+
+    def routed(self, policy: str, reason: str, predicted_cached_tokens: int) -> None:
+        child = self._decisions.get((policy, reason))
+        if child is None:
+            child = self._decisions[(policy, reason)] = self.route_decisions.labels(policy, reason)
+        child.inc()
+        if predicted_cached_tokens > 0:
+            self.predicted_cached_tokens.inc(predicted_cached_tokens)
+
+    def usage(self, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """Feedback from a response's ``usage``; updates the recent hit ratio."""
+        if prompt_tokens is None:
+            return
+        cached = cached_tokens or 0
+        self.prompt_tokens.inc(prompt_tokens)
+        self.reported_cached_tokens.inc(cached)
+        if len(self._hits) == self._hits.maxlen:
+            old_cached, old_prompt = self._hits[0]
+            self._hit_sums[0] -= old_cached
+            self._hit_sums[1] -= old_prompt
+        self._hits.append((cached, prompt_tokens))
+        self._hit_sums[0] += cached
+        self._hit_sums[1] += prompt_tokens
+        if self._hit_sums[1] > 0:
+            self.cache_hit_ratio.set(self._hit_sums[0] / self._hit_sums[1])
+
+    def timing(self, ttft_s: float | None, itl_s: float | None) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if itl_s is not None:
+            self.itl.observe(itl_s)
+
+    def retry(self, reason: str) -> None:
+        self.upstream_retries.labels(reason).inc()
+
+    # -- cumulative totals kept elsewhere, folded in on scrape ---------------------
+    def _advance(self, key: str, total: float) -> float:
+        """The increase of a cumulative ``total`` since the last scrape (never negative)."""
+        delta = total - self._seen.get(key, 0.0)
+        self._seen[key] = max(total, self._seen.get(key, 0.0))
+        return max(delta, 0.0)
+
+    def plugin_time(self, total_seconds_by_plugin: Mapping[str, float]) -> None:
+        """Fold in the policy framework's cumulative per-plugin seconds."""
+        for plugin, total in total_seconds_by_plugin.items():
+            delta = self._advance("plugin:" + plugin, total)
+            if delta:
+                self.plugin_seconds.labels(plugin).inc(delta)
+            else:
+                self.plugin_seconds.labels(plugin)  # show the plugin even before it costs anything
+
+    def index_degraded_backend(self, total: int) -> None:
+        """Fold in the index backend's own count of degraded calls (Redis down or slow)."""
+        delta = self._advance("index_degraded", float(total))
+        if delta:
+            self.index_degraded.inc(delta)
+
+    # -- fleet gauges, refreshed on scrape ----------------------------------------
+    def refresh_fleet(self, views: Iterable[ReplicaView], stats: IndexStats | None) -> None:
+        for gauge in (self.replica_state, self.replica_in_flight, self.replica_pending_prefill,
+                      self.index_blocks):
+            gauge.clear()  # replicas that left disappear from the exposition
+        for view in views:
+            for state in ReplicaState:
+                self.replica_state.labels(view.id, state.value).set(1.0 if view.state is state else 0.0)
+            self.replica_in_flight.labels(view.id).set(view.in_flight)
+            self.replica_pending_prefill.labels(view.id).set(view.pending_prefill_tokens)
+        if stats is not None:
+            for replica, blocks in stats.device_blocks.items():
+                self.index_blocks.labels(replica, "device").set(blocks)
+            for replica, blocks in stats.host_blocks.items():
+                self.index_blocks.labels(replica, "host").set(blocks)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,285 @@
+"""Unit tests of the gateway app over httpx's ASGI transport, with fake replicas injected
+through ``httpx.MockTransport`` (non-streaming paths; streaming, TTFT and disconnects are
+tested against real processes in tests/integration)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import Settings, load_settings
+
+Behaviour = Callable[[httpx.Request], httpx.Response]
+USAGE = {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103,
+         "prompt_tokens_details": {"cached_tokens": 64}}
+
+
+def reply(status: int, data: object, headers: dict[str, str] | None = None) -> httpx.Response:
+    """A response with an unread byte stream, as a real transport returns it."""
+    return httpx.Response(status, stream=httpx.ByteStream(orjson.dumps(data)),
+                          headers={"content-type": "application/json", **(headers or {})})
+
+
+def ok_completion(request: httpx.Request) -> httpx.Response:
+    body = {"id": "x", "object": "chat.completion", "model": "m", "usage": USAGE,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+    return reply(200, body, {"x-upstream": "yes", "server": "fake"})
+
+
+@dataclass
+class FakeFleet:
+    """Replicas by URL; each answers probes and runs a behaviour for inference calls."""
+
+    behaviours: dict[str, Behaviour]
+    models: dict[str, str] = field(default_factory=dict)
+    seen: list[tuple[str, httpx.Request, bytes]] = field(default_factory=list)
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if base not in self.behaviours:
+            raise httpx.ConnectError("connection refused", request=request)
+        path = request.url.path
+        if path in ("/ready", "/health"):
+            return httpx.Response(200)
+        if path == "/server_info":
+            return httpx.Response(200, json={"max_total_num_tokens": 64000, "page_size": 64,
+                                             "max_running_requests": 8, "served_model_name": "m"})
+        if path == "/v1/models":
+            model = self.models.get(base, "m")
+            return httpx.Response(200, json={"object": "list", "data": [{"id": model, "object": "model"}]})
+        if path == "/v1/loads":
+            return httpx.Response(200, json={"loads": []})
+        self.seen.append((base, request, request.read()))
+        return self.behaviours[base](request)
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handler)
+
+
+A, B = "http://127.0.0.1:40001", "http://127.0.0.1:40002"
+
+
+def settings_for(replicas: list[str], **extra: Any) -> Settings:
+    overrides: dict[str, Any] = {
+        "registry": {"replicas": replicas, "probe_interval_s": 60, "loads_poll_interval_s": 60},
+        "policy": {"name": "round-robin", "seed": 1},
+        **extra,
+    }
+    return load_settings(None, overrides)
+
+
+@asynccontextmanager
+async def gateway(fleet: FakeFleet, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings, transport=fleet.transport())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            yield client
+
+
+CHAT = b'{"model": "m",  "messages": [{"role": "user", "content": "hello"}], "x_unknown": {"k": [1, 2]}}'
+
+
+async def test_body_bytes_and_headers_pass_through() -> None:
+    fleet = FakeFleet({A: ok_completion})
+    async with gateway(fleet, settings_for([A])) as client:
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={
+            "content-type": "application/json", "x-custom": "1", "connection": "keep-alive",
+            "authorization": "Bearer sk-test", "te": "trailers", "user-agent": "my-agent"})
+    assert r.status_code == 200
+    assert r.headers["x-kvgate-replica"] == A
+    assert r.headers["x-kvgate-route-reason"]
+    assert r.headers["x-upstream"] == "yes"
+    assert r.json()["usage"] == USAGE
+    (base, request, body), = fleet.seen
+    assert base == A and body == CHAT  # the very bytes the client sent
+    assert request.headers["x-custom"] == "1"
+    assert request.headers["authorization"] == "Bearer sk-test"
+    assert "te" not in request.headers and "connection" not in request.headers
+    assert request.headers.get_list("user-agent") == ["my-agent"]  # nothing of the gateway's own
+    assert request.headers["content-length"] == str(len(CHAT))
+
+
+async def test_usage_feeds_metrics_and_lease_released() -> None:
+    fleet = FakeFleet({A: ok_completion})
+    async with gateway(fleet, settings_for([A])) as client:
+        await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+        metrics = (await client.get("/metrics")).text
+        replicas = (await client.get("/admin/replicas")).json()["data"]
+    assert "kvgate_reported_cached_tokens_total 64.0" in metrics
+    assert "kvgate_prompt_tokens_total 100.0" in metrics
+    assert 'kvgate_requests_total{endpoint="chat",status="200"} 1.0' in metrics
+    assert "kvgate_cache_hit_ratio 0.64" in metrics
+    assert f'kvgate_replica_state{{replica="{A}",state="active"}} 1.0' in metrics
+    assert "kvgate_policy_plugin_seconds_total{plugin=" in metrics
+    assert replicas[0]["in_flight"] == 0 and replicas[0]["url"] == A
+
+
+def refuse(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("refused", request=request)
+
+
+def server_error(request: httpx.Request) -> httpx.Response:
+    return reply(503, {"detail": "The request queue is full."})
+
+
+@pytest.mark.parametrize("failing", [refuse, server_error])
+async def test_failure_before_first_byte_retries_elsewhere(failing: Behaviour) -> None:
+    fleet = FakeFleet({A: failing, B: ok_completion})
+    async with gateway(fleet, settings_for([A, B])) as client:
+        replies = [await client.post("/v1/chat/completions", content=CHAT,
+                                     headers={"content-type": "application/json"}) for _ in range(4)]
+        metrics = (await client.get("/metrics")).text
+        views = {v["url"]: v for v in (await client.get("/admin/replicas")).json()["data"]}
+    assert all(r.status_code == 200 and r.headers["x-kvgate-replica"] == B for r in replies)
+    assert "kvgate_upstream_retries_total" in metrics
+    assert views[A]["in_flight"] == 0 and views[B]["in_flight"] == 0
+
+
+async def test_all_attempts_fail_gives_502_with_replica_header() -> None:
+    fleet = FakeFleet({A: refuse, B: refuse})
+    async with gateway(fleet, settings_for([A, B])) as client:
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+    assert r.status_code == 502
+    assert r.json()["error"]["type"] == "upstream_error"
+    assert r.headers["x-kvgate-replica"] in (A, B)
+
+
+async def test_last_replica_5xx_is_relayed() -> None:
+    fleet = FakeFleet({A: server_error})
+    async with gateway(fleet, settings_for([A])) as client:
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+    assert r.status_code == 503 and r.json() == {"detail": "The request queue is full."}
+    assert r.headers["x-kvgate-replica"] == A
+
+
+async def test_upstream_timeout_before_first_byte_is_504() -> None:
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    fleet = FakeFleet({A: slow})
+    async with gateway(fleet, settings_for([A])) as client:
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+
+
+async def test_no_replica_503_and_ready() -> None:
+    fleet = FakeFleet({})
+    async with gateway(fleet, settings_for([])) as client:
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+        ready = await client.get("/ready")
+        health = await client.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica_available"
+    assert r.headers["x-kvgate-replica"] == "none"
+    assert ready.status_code == 503 and health.status_code == 200
+
+
+@pytest.mark.parametrize(("body", "content_type", "status"), [
+    (b"{not json", "application/json", 400),
+    (CHAT, "text/plain", 415),
+    (b'{"model": "m"}', "application/json", 400),
+    (b'{"model": "m", "messages": []}', "application/json", 400),
+    (b'{"model": "m", "prompt": "x" }' + b" " * 2048, "application/json", 413),
+])
+async def test_bad_input(body: bytes, content_type: str, status: int) -> None:
+    fleet = FakeFleet({A: ok_completion})
+    s = settings_for([A], hashing={"max_body_bytes": 1024})
+    async with gateway(fleet, s) as client:
+        path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
+        r = await client.post(path, content=body, headers={"content-type": content_type})
+    assert r.status_code == status
+    assert set(r.json()["error"]) == {"message", "type", "code", "param"}
+    assert fleet.seen == []
+
+
+async def test_models_union_and_unknown_route() -> None:
+    fleet = FakeFleet({A: ok_completion, B: ok_completion}, models={A: "m1", B: "m2"})
+    async with gateway(fleet, settings_for([A, B])) as client:
+        models = (await client.get("/v1/models")).json()
+        missing = await client.get("/nope")
+    assert sorted(m["id"] for m in models["data"]) == ["m1", "m2"]
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+async def test_admin_api_with_token() -> None:
+    fleet = FakeFleet({A: ok_completion, B: ok_completion})
+    s = settings_for([A], admin_token="s3cret", index={"redis_url": None})
+    auth = {"authorization": "Bearer s3cret"}
+    async with gateway(fleet, s) as client:
+        assert (await client.get("/admin/replicas")).status_code == 401
+        wrong = await client.get("/admin/replicas", headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 403 and wrong.json()["error"]["type"] == "permission_error"
+        added = await client.post("/admin/replicas", json={"url": B}, headers=auth)
+        assert added.status_code == 201 and added.json()["url"] == B
+        drained = await client.post("/admin/replicas/drain", json={"url": A, "wait": True}, headers=auth)
+        assert drained.status_code == 200 and drained.json()["removed"] is True
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+        assert r.headers["x-kvgate-replica"] == B
+        assert (await client.post("/admin/replicas/undrain", json={"url": A}, headers=auth)).status_code == 404
+        drain_b = await client.post("/admin/replicas/drain", json={"url": B, "deadline_s": 30}, headers=auth)
+        assert drain_b.json()["state"] == "draining" or drain_b.json()["state"] == "removed"
+        gone = await client.delete("/admin/replicas", params={"url": B}, headers=auth)
+        assert gone.status_code in (200, 404)
+        config = (await client.get("/admin/config", headers=auth)).json()
+        bad = await client.post("/admin/replicas", json={"nope": 1}, headers=auth)
+    assert config["admin_token"] == "***" and "s3cret" not in orjson.dumps(config).decode()
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
+
+
+async def test_drained_replica_gets_no_new_requests() -> None:
+    fleet = FakeFleet({A: ok_completion, B: ok_completion})
+    async with gateway(fleet, settings_for([A, B])) as client:
+        drained = await client.post("/admin/replicas/drain", json={"url": B, "deadline_s": 60})
+        replies = [await client.post("/v1/chat/completions", content=CHAT,
+                                     headers={"content-type": "application/json"}) for _ in range(3)]
+    assert drained.status_code == 200
+    assert {r.headers["x-kvgate-replica"] for r in replies} == {A}
+
+
+class BreakingStream(httpx.AsyncByteStream):
+    """Yields its chunks, then fails like a connection reset."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+        raise httpx.ReadError("connection reset by peer")
+
+
+def breaking(content_type: str, chunks: list[bytes]) -> Behaviour:
+    def behaviour(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=BreakingStream(chunks), headers={"content-type": content_type})
+
+    return behaviour
+
+
+async def test_json_body_breaking_after_first_byte_is_502() -> None:
+    fleet = FakeFleet({A: breaking("application/json", [b'{"id": "x", "choi'])})
+    async with gateway(fleet, settings_for([A])) as client:
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+        views = (await client.get("/admin/replicas")).json()["data"]
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+    assert r.headers["x-kvgate-replica"] == A
+    assert views[0]["in_flight"] == 0
+
+
+async def test_sse_breaking_after_first_byte_ends_with_error_then_done() -> None:
+    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"Hel'  # cut mid-event
+    fleet = FakeFleet({A: breaking("text/event-stream", [first])})
+    async with gateway(fleet, settings_for([A])) as client:
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200 and r.headers["x-kvgate-replica"] == A
+    assert r.content.startswith(first + b"\n\n")  # the broken event is terminated, not glued to ours
+    events = [e for e in r.content[len(first):].split(b"\n\n") if e]
+    assert orjson.loads(events[0][6:])["error"]["type"] == "upstream_error"
+    assert events[1] == b"data: [DONE]"
+    assert 'kvgate_requests_total{endpoint="chat",status="502"} 1.0' in metrics

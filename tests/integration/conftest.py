@@ -1,0 +1,99 @@
+"""Fixtures for integration tests over real processes: simulated replicas (``kvgate sim``
+through ``SimFleet``, profile ``tiny``) and a real uvicorn gateway (``kvgate serve``).
+
+Every process is stopped at teardown; every wait has a timeout. Helpers here are plain
+functions so tests can start extra gateways with other flags.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.simulator.fleet import SimFleet
+from tests.support.procs import Proc, free_port, kvgate_cmd, wait_http
+
+ADMIN_TOKEN = "integration-token"
+AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+class Gateway:
+    """A ``kvgate serve`` process and its base URL."""
+
+    def __init__(self, proc: Proc, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.request(method, self.url + "/admin" + path, headers=AUTH, timeout=60.0, **kwargs)
+
+    def replicas(self) -> dict[str, dict[str, Any]]:
+        r = self.admin("GET", "/replicas")
+        r.raise_for_status()
+        return {v["url"]: v for v in r.json()["data"]}
+
+
+def start_gateway(replicas: list[str], log_path: Path, *extra: str) -> Gateway:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--admin-token", ADMIN_TOKEN, "--log-level", "warning",
+            "--set", "registry.probe_interval_s=0.5", "--set", "registry.loads_poll_interval_s=0.5",
+            "--set", "policy.seed=7"]
+    for url in replicas:
+        args += ["--replica", url]
+    proc = Proc(kvgate_cmd(*args, *extra), log_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", timeout_s=30.0)
+        if replicas:
+            wait_http(url + "/ready", timeout_s=30.0)
+    except TimeoutError:
+        proc.stop()
+        raise RuntimeError(f"gateway did not start:\n{proc.output()[-3000:]}") from None
+    return Gateway(proc, url)
+
+
+GatewayFactory = Callable[..., Gateway]
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path) -> Iterator[GatewayFactory]:
+    started: list[Gateway] = []
+
+    def factory(replicas: list[str], *extra: str) -> Gateway:
+        gw = start_gateway(replicas, tmp_path / f"gateway-{len(started)}.log", *extra)
+        started.append(gw)
+        return gw
+
+    yield factory
+    for gw in started:
+        gw.proc.stop()
+
+
+@pytest.fixture
+def fleet3(tmp_path: Path) -> Iterator[SimFleet]:
+    with SimFleet(3, profile="tiny", time_scale=2.0, seed=11, log_dir=tmp_path) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def fleet4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
+    with SimFleet(4, profile="tiny", time_scale=2.0, seed=21,
+                  log_dir=tmp_path_factory.mktemp("fleet4")) as fleet:
+        yield fleet
+
+
+def set_faults(replica_url: str, **faults: Any) -> None:
+    httpx.post(replica_url + "/_sim/faults", json=faults, timeout=5.0).raise_for_status()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
