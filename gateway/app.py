@@ -101,7 +101,9 @@ class Gateway:
         self.policy = policy
         self.shared_state = shared_state  # several gateways share replica state (reserve())
         self.metrics = GatewayMetrics()
-        self.router = Router(policy, index, registry.views, self.metrics,
+        # one clock for routing: wall time, so session times stored in a shared Redis
+        # compare across hosts and with the registry's added_at_s (also wall time)
+        self.router = Router(policy, index, registry.views, self.metrics, clock=time.time,
                              resident_window_s=policy.resident_window_s,
                              rng=random.Random(settings.policy.seed))
         self.proxy = Proxy(self)
@@ -161,7 +163,7 @@ def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None
     policy = make_policy(settings.policy.name, settings.policy.params, settings.policy.seed)
     shared_cfg = settings.registry.shared
     shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
-    registry = Registry(settings.registry, client, shared=shared)
+    registry = Registry(settings.registry, client, shared=shared, clock=time.time)
     return Gateway(settings, client, index, registry, policy, shared_state=shared is not None)
 
 
