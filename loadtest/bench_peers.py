@@ -1,0 +1,295 @@
+"""`kvgate bench peers`: kvgate against the peer routers, same workload, same fleet, one run.
+
+    kvgate bench peers --trace ../shared/traces/claude-code --replicas 4 --time-scale 10 \\
+        --sessions-concurrent 16,32 --limit-sessions 64 --duration-s 45 \\
+        --targets kvgate,kvgate-round-robin,sglang-router,smg --json peers.json --chart peers.png
+    kvgate bench peers --overhead      # added latency and CPU per request, every target
+
+One simulated fleet (`SimFleet`, started once) serves every target. For each session
+concurrency and each target, in that order: every replica's cache is flushed
+(``POST /flush_cache``, retried until the replica is idle, so each target starts cold),
+the target starts (kvgate: ``kvgate serve --policy P``; a peer: `loadtest.peers.run`),
+L1's closed-loop driver replays the same sessions through it for ``--duration-s`` wall
+seconds (and at most ``--max-requests``), then the target stops. Targets: ``kvgate``
+(cache-aware), ``kvgate-<policy>`` (any kvgate policy), ``sglang-router``
+(0.3.2 cache_aware), ``smg`` (1.13.0 cache_aware), ``smg-least-load``.
+
+What is measured, and how it stays fair:
+
+- client side (the driver): hit rate from ``usage.prompt_tokens_details.cached_tokens``,
+  TTFT, output tokens/s per user, throughput per GPU (output tokens / makespan / GPUs);
+- replica side (``sglang:num_requests_total``, ``prompt_tokens_total`` and
+  ``cached_tokens_total`` of every replica, read before and after each run): requests
+  per replica, hence the imbalance (max / mean), for peers too (they send no
+  ``x-kvgate-replica``), and the replicas' own hit rate as a cross-check;
+- output lengths: the driver sends ``max_tokens`` = the trace's output and
+  ``ignore_eos``. The peers re-serialize the body (unknown fields are dropped,
+  ``max_tokens`` becomes ``max_completion_tokens``); ``ignore_eos`` is one of the SGLang
+  fields they know and keep (checked: 200 of 200 tokens through both, where the
+  replica's natural length is 16). The ``out/asked`` column (completion tokens /
+  requested) keeps checking it: below 1 would mean a target's requests were shorter,
+  and its throughput not comparable token for token.
+
+The peers learn only what they route (sglang-router's approximate tree never hears of
+evictions); kvgate also reads ``usage`` (cached-token feedback) from every response.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from loadtest import charts, results
+from loadtest.bench_simulator import process_cpu_s
+from loadtest.cli import build_workload
+from loadtest.demo import (
+    DEFAULT_PROFILE,
+    GatewayProcess,
+    flush_caches,
+    scaled_profile,
+    sigterm_as_exit,
+)
+from loadtest.driver import DriverConfig
+from loadtest.peers.run import (
+    INSTALL_HINT,
+    PEERS,
+    ROOT,
+    install_peers,
+    missing_peers,
+    running_peer,
+)
+from loadtest.peers.summary import peers_table, replica_counters, routing_errors, with_replica_side
+from loadtest.report import run_with_progress
+from loadtest.results import RunResult, summarize
+from loadtest.simulator.fleet import SimFleet
+from loadtest.workload import Workload
+
+DEFAULT_TARGETS = "kvgate,kvgate-round-robin,sglang-router,smg"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("workload")
+    w.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="trace file or folder (repeatable); none or 'synthetic': the synthetic generator",
+    )
+    w.add_argument("--format", default=None, help="trace format (default: detect)")
+    w.add_argument("--limit-sessions", type=int, default=None, help="use at most N sessions")
+    w.add_argument("--synthetic-sessions", type=int, default=64)
+    w.add_argument(
+        "--synthetic-token-scale",
+        type=float,
+        default=1.0,
+        help="multiply the synthetic token sizes (e.g. 0.02 for the tiny profile)",
+    )
+    w.add_argument("--seed", type=int, default=0)
+    f = parser.add_argument_group("fleet")
+    f.add_argument("--replicas", type=int, default=4)
+    f.add_argument("--profile", default=DEFAULT_PROFILE)
+    f.add_argument("--kv-scale", type=float, default=1.0, help="scale the replicas' KV pools")
+    f.add_argument(
+        "--time-scale", type=float, default=10.0, help="simulated seconds per wall second"
+    )
+    f.add_argument("--gpus-per-replica", type=int, default=8)
+    d = parser.add_argument_group("driver (per target and concurrency)")
+    d.add_argument(
+        "--targets",
+        default=DEFAULT_TARGETS,
+        help=f"comma-separated: kvgate, kvgate-<policy>, {', '.join(PEERS)}",
+    )
+    d.add_argument(
+        "--sessions-concurrent", default="16", help="comma-separated session concurrencies"
+    )
+    d.add_argument("--duration-s", type=float, default=45.0, help="wall seconds per run")
+    d.add_argument("--max-requests", type=int, default=None, help="requests per run at most")
+    d.add_argument("--max-think-s", type=float, default=30.0, help="cap one think time (target s)")
+    d.add_argument("--think-scale", type=float, default=1.0)
+    d.add_argument("--ramp-s", type=float, default=0.0, help="spread the first sessions (target s)")
+    d.add_argument(
+        "--grace-s", type=float, default=10.0, help="wall s for in-flight requests at the end"
+    )
+    d.add_argument(
+        "--gateway-arg", action="append", default=[], help="extra `kvgate serve` argument"
+    )
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", type=Path, default=None, metavar="OUT")
+    o.add_argument("--chart", type=Path, default=None, metavar="OUT.png")
+    o.add_argument(
+        "--install", action="store_true", help=f"run `{INSTALL_HINT}` when a peer is missing"
+    )
+    v = parser.add_argument_group("--overhead: added latency per request, one replica, no compute")
+    v.add_argument(
+        "--overhead", action="store_true", help="measure each target's added latency and CPU"
+    )
+    v.add_argument("--small", type=int, default=300, help="small requests per side")
+    v.add_argument("--large", type=int, default=100, help="large requests per side")
+    v.add_argument("--kb", type=int, default=400, help="large request size (KB)")
+
+
+def parse_targets(text: str) -> list[str]:
+    targets = [t.strip() for t in text.split(",") if t.strip()]
+    for t in targets:
+        if t not in PEERS and t != "kvgate" and not t.startswith("kvgate-"):
+            raise ValueError(
+                f"unknown target {t!r}: kvgate, kvgate-<policy> or one of {', '.join(PEERS)}"
+            )
+    return targets
+
+
+def kvgate_policy(target: str) -> str | None:
+    """The kvgate policy of a target name (None for a peer)."""
+    if target == "kvgate":
+        return "cache-aware"
+    return target.removeprefix("kvgate-") if target.startswith("kvgate-") else None
+
+
+@contextlib.contextmanager
+def open_target(
+    target: str, workers: Sequence[str], log_dir: Path, gateway_args: Sequence[str] = ()
+) -> Iterator[tuple[str, int]]:
+    """Start ``target`` in front of ``workers``; yields its (base URL, pid)."""
+    policy = kvgate_policy(target)
+    if policy is not None:
+        with GatewayProcess(policy, workers, gateway_args, log_dir=log_dir) as gw:
+            assert gw.proc is not None
+            yield gw.url, gw.proc.pid
+    else:
+        with running_peer(target, workers, log_dir=log_dir) as peer:
+            yield peer.url, peer.pid
+
+
+def one_run(
+    target: str,
+    fleet: SimFleet,
+    workload: Workload,
+    config: DriverConfig,
+    args: argparse.Namespace,
+    log_dir: Path,
+    console: Console,
+) -> RunResult:
+    c = config.sessions_concurrent
+    label = f"{target} c={c}"
+    flush_caches(fleet.urls)
+    before = replica_counters(fleet.urls)
+    extra: dict[str, object] = {"target_label": target, "target_version": target_version(target)}
+    try:
+        with open_target(target, fleet.urls, log_dir, args.gateway_arg) as (url, pid):
+            cpu0 = process_cpu_s(pid)
+            run = run_with_progress(
+                workload,
+                dataclasses.replace(config, target=url),
+                label,
+                console,
+                extra,
+                replicas=len(fleet.urls),
+                gpus_per_replica=args.gpus_per_replica,
+            )
+            extra["target_cpu_s"] = process_cpu_s(pid) - cpu0
+    except (RuntimeError, TimeoutError, OSError) as e:
+        console.print(f"[red]{target} failed to start: {e}[/]")
+        run = RunResult(
+            label,
+            {**dataclasses.asdict(config), **extra, "error": str(e)},
+            (),
+            summarize([], replicas=len(fleet.urls), gpus_per_replica=args.gpus_per_replica),
+        )
+    return with_replica_side(run, before, replica_counters(fleet.urls), extra)
+
+
+def target_version(target: str) -> str:
+    policy = kvgate_policy(target)
+    return f"kvgate {policy}" if policy is not None else PEERS[target].version
+
+
+def check_peers(targets: Sequence[str], install: bool, console: Console, root: Path = ROOT) -> bool:
+    """True when every peer among ``targets`` is installed (after ``install.sh`` if asked)."""
+    missing = missing_peers(targets, root)
+    if missing and install:
+        install_peers(root)
+        missing = missing_peers(targets, root)
+    if missing:
+        console.print(
+            f"[red]peer routers not installed: {', '.join(missing)}[/]; run `{INSTALL_HINT}` "
+            "(or pass --install)"
+        )
+    return not missing
+
+
+def discover_model(url: str) -> str:
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        return str(client.get(url + "/v1/models").json()["data"][0]["id"])
+
+
+def run_peers(args: argparse.Namespace, targets: list[str], console: Console) -> int:
+    if args.trace == ["synthetic"]:
+        args.trace = []
+    workload = build_workload(args)
+    levels = [int(c) for c in args.sessions_concurrent.split(",") if c.strip()]
+    log_dir = Path(tempfile.mkdtemp(prefix="kvgate-bench-peers-"))
+    profile = scaled_profile(args.profile, args.kv_scale, log_dir)
+    console.print(
+        f"[bold]kvgate bench peers[/]: {args.replicas} x {args.profile} (KV x{args.kv_scale:g}, "
+        f"time scale {args.time_scale:g}), {len(workload.sessions)} {workload.name} sessions, "
+        f"concurrency {levels}, {args.duration_s:g} s per run; logs in {log_dir}"
+    )
+    runs: list[RunResult] = []
+    with (
+        sigterm_as_exit(),
+        SimFleet(
+            args.replicas,
+            profile=profile,
+            time_scale=args.time_scale,
+            seed=args.seed,
+            log_dir=log_dir,
+        ) as fleet,
+    ):
+        config = DriverConfig(
+            target="http://127.0.0.1",
+            model=discover_model(fleet.urls[0]),
+            time_scale=args.time_scale,
+            think_scale=args.think_scale,
+            max_think_s=args.max_think_s,
+            ramp_s=args.ramp_s,
+            max_requests=args.max_requests,
+            duration_s=args.duration_s,
+            grace_s=args.grace_s,
+            seed=args.seed,
+        )
+        for c in levels:
+            for target in targets:
+                cfg = dataclasses.replace(config, sessions_concurrent=c)
+                runs.append(one_run(target, fleet, workload, cfg, args, log_dir, console))
+    console.print(peers_table(runs, "kvgate bench peers: same sessions, same replicas"))
+    if args.json:
+        results.write_json(args.json, runs)
+        console.print(f"results: {args.json}")
+    if args.chart:
+        charts.write_charts(args.chart, runs)
+        console.print(f"chart: {args.chart}")
+    return 0 if all(r.summary.requests > 0 and routing_errors(r) == 0 for r in runs) else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(width=max(Console().width, 150))  # the tables are wide
+    try:
+        targets = parse_targets(args.targets)
+    except ValueError as e:
+        console.print(f"[red]{e}[/]")
+        return 2
+    if not check_peers(targets, args.install, console):
+        return 2
+    if args.overhead:
+        from loadtest.peers.overhead import run_overhead
+
+        return run_overhead(args, targets, console)
+    return run_peers(args, targets, console)
