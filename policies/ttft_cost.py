@@ -1,0 +1,162 @@
+"""The TTFT cost model of the `cache-aware` policy (pure functions over a snapshot).
+
+Per candidate replica, the estimated time to first token of this request there, in
+seconds (see `policies/cache_aware.py` for why this rule, and README.md for params):
+
+    prefill      = uncached / prefill_tokens_per_s + host_hit / host_load_tokens_per_s
+    queue        = max(pending_prefill_tokens, reported_waiting_uncached_tokens)
+                   / prefill_tokens_per_s
+    interference = decode_weight_s * max(decoding, reported_running)
+                   + saturation_penalty_s * (busy - max_running_requests + 1)
+                     (only when busy >= max_running_requests; busy = max(in_flight,
+                     reported_running + reported_waiting))
+    eviction     = marginal overflow of the resident working set
+                   / prefill_tokens_per_s * eviction_weight
+    externality  = uncached / prefill_tokens_per_s * queue_externality
+    affinity     = move_margin_s on every replica but the session's own
+
+Matched tokens come from the prefix index (``inputs.matches``, device and host tiers,
+times ``ctx.block_tokens``). The gateway's own pending work and the replica's reported
+queue overlap (both contain requests the gateway sent), so the queue takes their max.
+*Externality*: a prefill delays every request queued behind it on that replica; a move
+turns a small cached prefill into a full recompute, so it is charged for that delay too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.base import RequestContext, RoutingInputs
+from prefix_index.base import PrefixMatch, ReplicaId
+from replicas.model import ReplicaView
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAwareParams:
+    prefill_tokens_per_s: float = 40_000.0  # uncached prefill throughput of one replica
+    host_load_tokens_per_s: float = 1_000_000.0  # HiCache host -> device load throughput
+    decode_weight_s: float = 0.002  # prefill slowdown per running decode request
+    saturation_penalty_s: float = 0.5  # wait per request beyond max_running_requests
+    eviction_weight: float = 1.0  # how much a future recompute of evicted KV counts
+    queue_externality: float = 0.5  # the delay this prefill adds to requests queued behind it
+    move_margin_s: float = 1.0  # hysteresis: leave the session's replica only if this much better
+    tie_tolerance: float = 0.05  # relative: costs within 5% of the best are ties
+    tie_tolerance_s: float = 0.02  # absolute: ... or within 20 ms
+    new_replica_window_s: float = 300.0  # a replica is NEW this long after joining
+    resident_window_s: float = 600.0  # sessions seen within this window are resident
+    parent_prefix_fraction: float = (
+        0.5  # share of a subagent's prompt assumed cached on the parent's replica
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TtftEstimate:
+    """The estimated TTFT of the request on one replica, by component (seconds)."""
+
+    replica: ReplicaId
+    cached_tokens: int
+    uncached_tokens: int
+    prefill_s: float
+    queue_s: float
+    interference_s: float
+    eviction_s: float
+    affinity_s: float
+    externality_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return (
+            self.prefill_s
+            + self.queue_s
+            + self.interference_s
+            + self.eviction_s
+            + self.affinity_s
+            + self.externality_s
+        )
+
+
+def home_replica(inputs: RoutingInputs, candidates: Sequence[ReplicaView]) -> ReplicaId | None:
+    """The session's replica, when it is still a candidate."""
+    if inputs.session is None:
+        return None
+    home = inputs.session.replica
+    return home if any(c.id == home for c in candidates) else None
+
+
+def parent_tokens(
+    ctx: RequestContext, inputs: RoutingInputs, replica: ReplicaId, p: CacheAwareParams
+) -> int:
+    """Tokens assumed cached on the parent's replica for a subagent's first turn."""
+    parent = inputs.parent_session
+    if (
+        inputs.session is not None
+        or parent is None
+        or parent.replica != replica
+        or ctx.block_tokens <= 0
+    ):
+        return 0
+    if any(m.blocks for m in inputs.matches.values()):
+        return 0  # the index knows a prefix somewhere: real matches decide
+    shared = int(min(ctx.est_prompt_tokens, parent.tokens) * p.parent_prefix_fraction)
+    return shared // ctx.block_tokens * ctx.block_tokens
+
+
+def _interference_s(view: ReplicaView, p: CacheAwareParams) -> float:
+    cost = p.decode_weight_s * max(view.decoding, view.reported_running)
+    slots = view.max_running_requests
+    busy = max(view.in_flight, view.reported_running + view.reported_waiting)
+    if slots > 0 and busy >= slots:
+        cost += p.saturation_penalty_s * (busy - slots + 1)
+    return cost
+
+
+def _eviction_s(
+    ctx: RequestContext, inputs: RoutingInputs, view: ReplicaView, p: CacheAwareParams
+) -> float:
+    capacity = view.device_tokens + view.host_tokens
+    if capacity <= 0:
+        return 0.0
+    own = (
+        inputs.session.tokens
+        if inputs.session is not None and inputs.session.replica == view.id
+        else 0
+    )
+    base = max(inputs.resident_tokens.get(view.id, 0) - own, 0)
+    need = base + ctx.est_prompt_tokens + (ctx.max_tokens or 0)
+    overflow = max(need - capacity, 0) - max(base - capacity, 0)
+    return overflow / p.prefill_tokens_per_s * p.eviction_weight
+
+
+def estimate(
+    ctx: RequestContext,
+    inputs: RoutingInputs,
+    view: ReplicaView,
+    home: ReplicaId | None,
+    p: CacheAwareParams,
+) -> TtftEstimate:
+    """The TTFT estimate of routing this request to ``view`` (pure)."""
+    prompt = max(ctx.est_prompt_tokens, 0)
+    match = inputs.matches.get(view.id, PrefixMatch())
+    device = min(match.device_blocks * ctx.block_tokens, prompt)
+    host = min(match.host_blocks * ctx.block_tokens, prompt - device)
+    if device + host == 0:
+        device = min(parent_tokens(ctx, inputs, view.id, p), prompt)
+    uncached = prompt - device - host
+    waiting = max(view.pending_prefill_tokens, view.reported_waiting_uncached_tokens)
+    return TtftEstimate(
+        replica=view.id,
+        cached_tokens=device + host,
+        uncached_tokens=uncached,
+        prefill_s=uncached / p.prefill_tokens_per_s + host / p.host_load_tokens_per_s,
+        queue_s=waiting / p.prefill_tokens_per_s,
+        interference_s=_interference_s(view, p),
+        eviction_s=_eviction_s(ctx, inputs, view, p),
+        affinity_s=p.move_margin_s if home is not None and view.id != home else 0.0,
+        externality_s=uncached / p.prefill_tokens_per_s * p.queue_externality,
+    )
+
+
+def score_floor_s(p: CacheAwareParams) -> float:
+    """The floor that makes a relative score tolerance mean "tie_tolerance or tie_tolerance_s"."""
+    return p.tie_tolerance_s / p.tie_tolerance if p.tie_tolerance > 0 else p.tie_tolerance_s
