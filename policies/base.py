@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from prefix_index.base import BlockHash, PrefixIndex, PrefixMatch, ReplicaId, SessionEntry
 from replicas.model import ReplicaView
@@ -74,6 +75,14 @@ class Outcome:
     ttft_s: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PluginTiming:
+    """Cumulative calls and wall time of one plugin (the framework times every plugin)."""
+
+    calls: int
+    total_s: float
+
+
 class Filter(Protocol):
     name: str
 
@@ -102,6 +111,11 @@ class Policy(Protocol):
     """A named routing policy. The gateway calls `decide` then the hooks, in order."""
 
     name: str
+    resident_window_s: float  # how long a session between turns counts as resident
+
+    def timings(self) -> Mapping[str, PluginTiming]:
+        """Per plugin (e.g. ``scorer/ttft``): calls and total seconds, for metrics."""
+        ...
 
     def decide(self, ctx: RequestContext, inputs: RoutingInputs, rng: random.Random) -> Decision:
         """Pure decision. Raises NoRoutableReplica when no candidate survives filtering."""

@@ -30,6 +30,7 @@ from policies.base import (
     NoRoutableReplica,
     Outcome,
     Picker,
+    PluginTiming,
     RequestContext,
     RoutingInputs,
     Scorer,
@@ -91,12 +92,6 @@ class PrefixExplainer:
         else:
             reason = "balance"
         return Explanation(reason, cached, max(ctx.est_prompt_tokens - cached, 0))
-
-
-@dataclass(frozen=True, slots=True)
-class PluginTiming:
-    calls: int
-    total_s: float
 
 
 class Timings:
