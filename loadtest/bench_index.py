@@ -6,8 +6,10 @@ replica, the request's own 1,500-block chain on replica 0 (and partly on replica
 and random chains filling each replica to its capacity. Measured:
 - lookup: ``match(chain, all replicas)`` p50/p99;
 - decision: match + get_session + record + set_session (what one routed request costs
-  the index), sequential decisions/s per process;
-- Redis CPU per decision (``INFO cpu`` deltas) and per script call (``INFO commandstats``);
+  the index) for ``--sessions`` interleaved conversations of ~``--chain-blocks`` blocks
+  that grow by ``--turn-blocks`` a turn (so records mostly extend an older chain, the real
+  case): wall p50/p99, client CPU, and Redis CPU per decision (``INFO commandstats``: the
+  server's own time in the commands, robust on a busy machine);
 - memory: process RSS growth for the embedded index, ``used_memory`` for Redis.
 
     python -m loadtest.bench_index            # starts its own redis-server on a free port
@@ -22,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +42,12 @@ class Workload:
     capacity: ReplicaCapacity
     fills: dict[ReplicaId, list[list[int]]]  # chains to record, oldest first
     request: list[int]
+    sessions: list[list[int]]  # conversations for decisions: shared prompt + own blocks
 
 
-def make_workload(n_replicas: int, blocks_per_replica: int, chain_blocks: int, seed: int = 0) -> Workload:
+def make_workload(
+    n_replicas: int, blocks_per_replica: int, chain_blocks: int, n_sessions: int = 100, seed: int = 0
+) -> Workload:
     rng = random.Random(seed)
     shared = [rng.getrandbits(64) for _ in range(64)]
     request = shared + [rng.getrandbits(64) for _ in range(chain_blocks - len(shared))]
@@ -58,7 +63,8 @@ def make_workload(n_replicas: int, blocks_per_replica: int, chain_blocks: int, s
         if partial:
             chains.append(request[:partial])
         fills[rid] = chains
-    return Workload(replicas, ReplicaCapacity(blocks_per_replica, 0), fills, request)
+    sessions = [shared + [rng.getrandbits(64) for _ in range(chain_blocks - len(shared))] for _ in range(n_sessions)]
+    return Workload(replicas, ReplicaCapacity(blocks_per_replica, 0), fills, request, sessions)
 
 
 async def populate(index: PrefixIndex, w: Workload) -> None:
@@ -84,16 +90,53 @@ async def time_lookups(index: PrefixIndex, w: Workload, n: int) -> tuple[list[fl
     return wall, cpu
 
 
-async def time_decisions(index: PrefixIndex, w: Workload, n: int) -> float:
-    """Sequential decisions per second (match + session read + record + session write)."""
-    t = time.perf_counter()
-    for i in range(n):
-        matches = await index.match(w.request, w.replicas)
-        await index.get_session(f"s{i % 100}")
-        best = max(matches, key=lambda r: matches[r].blocks)
-        await index.record(best, w.request)
-        await index.set_session(f"s{i % 100}", SessionEntry(best, 96_000, time.time()))
-    return n / (time.perf_counter() - t)
+@dataclass(frozen=True)
+class Decisions:
+    wall: list[float]
+    cpu: list[float]  # this process
+    per_s: float
+    kept: float  # share of returning turns whose replica still held the previous turn's chain
+
+
+async def time_decisions(index: PrefixIndex, w: Workload, n: int, turn_blocks: int, seed: int = 1,
+                         after_first_turns: Callable[[], None] = lambda: None) -> Decisions:
+    """``n`` decisions, each one turn of a session picked round-robin (match + session read +
+    record + session write): the session's chain grows by ``turn_blocks`` new blocks a turn
+    and is recorded on its replica (the session's replica; a new session gets replica
+    ``s % replicas``). Every session's first turn (a new 1,500-block chain) runs first,
+    untimed, then ``after_first_turns()``: the timed decisions are follow-up turns."""
+    rng = random.Random(seed)
+    chains = [list(c) for c in w.sessions]
+    wall: list[float] = []
+    cpu: list[float] = []
+    kept, returning = 0, 0
+    t0 = time.perf_counter()
+    for i in range(-len(chains), n):
+        if i == 0:
+            after_first_turns()
+            wall, cpu, kept, returning = [], [], 0, 0
+            t0 = time.perf_counter()
+        s = i % len(chains)
+        chains[s].extend(rng.getrandbits(64) for _ in range(turn_blocks))
+        chain = chains[s]
+        t, c = time.perf_counter(), time.process_time()
+        matches = await index.match(chain, w.replicas)
+        session = await index.get_session(f"s{s}")
+        best = session.replica if session else w.replicas[s % len(w.replicas)]
+        await index.record(best, chain)
+        await index.set_session(f"s{s}", SessionEntry(best, len(chain) * 64, time.time()))
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+        if session is not None:
+            returning += 1
+            kept += matches[best].blocks >= len(chain) - turn_blocks
+    return Decisions(wall, cpu, n / (time.perf_counter() - t0), kept / max(returning, 1))
+
+
+def _decision_stats(d: Decisions) -> dict[str, float]:
+    return {"decision_p50_us": _pct(d.wall, 0.5) * 1e6, "decision_p99_us": _pct(d.wall, 0.99) * 1e6,
+            "decision_cpu_p50_us": _pct(d.cpu, 0.5) * 1e6, "decisions_per_s": d.per_s,
+            "prefix_kept": d.kept}
 
 
 def _rss_bytes() -> int:
@@ -114,14 +157,14 @@ def _redis_cpu(client: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-async def bench_memory(w: Workload, n: int) -> dict[str, float]:
+async def bench_memory(w: Workload, n: int, turn_blocks: int) -> dict[str, float]:
     rss0, t0 = _rss_bytes(), time.perf_counter()
     index = MemoryPrefixIndex()
     await populate(index, w)
     fill_s, rss = time.perf_counter() - t0, _rss_bytes() - rss0
     wall, cpu = await time_lookups(index, w, n)
     return {"fill_s": fill_s, "rss_mb": rss / 2**20, **_lookup_stats(wall, cpu),
-            "decisions_per_s": await time_decisions(index, w, n // 2)}
+            **_decision_stats(await time_decisions(index, w, n, turn_blocks))}
 
 
 def _lookup_stats(wall: list[float], cpu: list[float]) -> dict[str, float]:
@@ -129,8 +172,33 @@ def _lookup_stats(wall: list[float], cpu: list[float]) -> dict[str, float]:
             "cpu_p50_us": _pct(cpu, 0.5) * 1e6, "cpu_p99_us": _pct(cpu, 0.99) * 1e6}
 
 
-async def bench_redis(w: Workload, n: int, url: str) -> dict[str, dict[str, float]]:
-    """Fill once; time lookups with the default chain search and with exact matching."""
+def _redis_usec(client: redis.Redis) -> float:
+    """Microseconds the server spent in commands since the last CONFIG RESETSTAT."""
+    stats = client.info("commandstats")
+    return sum(float(v["usec"]) for k, v in stats.items() if k != "cmdstat_config")
+
+
+async def _redis_decisions(
+    idx: RedisPrefixIndex, client: redis.Redis, w: Workload, n: int, turn_blocks: int, seed: int
+) -> dict[str, float]:
+    """Decisions on Redis; server time per first turn, and per follow-up decision."""
+    first: dict[str, float] = {}
+    cpu0 = [0.0]
+
+    def first_turns_done() -> None:
+        first["redis_us_per_first_turn"] = _redis_usec(client) / len(w.sessions)
+        client.config_resetstat()
+        cpu0[0] = _redis_cpu(client)
+
+    client.config_resetstat()
+    dec = await time_decisions(idx, w, n, turn_blocks, seed, after_first_turns=first_turns_done)
+    await idx.flush()
+    return {**_decision_stats(dec), **first, "redis_us_per_decision": _redis_usec(client) / n,
+            "redis_cpu_us_per_decision": (_redis_cpu(client) - cpu0[0]) / n * 1e6}
+
+
+async def bench_redis(w: Workload, n: int, url: str, turn_blocks: int) -> dict[str, dict[str, float]]:
+    """Fill once; time lookups (chain search and exact), then decisions (awaited, write-behind)."""
     client = redis.Redis.from_url(url)
     base = IndexConfig(backend="redis", redis_url=url, redis_timeout_s=1.0)
     index = RedisPrefixIndex(base)
@@ -141,22 +209,19 @@ async def bench_redis(w: Workload, n: int, url: str) -> dict[str, dict[str, floa
     for mode, exact in (("redis", False), ("redis-exact", True)):
         idx = RedisPrefixIndex(base.model_copy(update={"redis_exact_match": exact}))
         await time_lookups(idx, w, 20)  # warm-up (script load)
+        client.config_resetstat()
         cpu0 = _redis_cpu(client)
         wall, cpu = await time_lookups(idx, w, n)
-        cpu1 = _redis_cpu(client)
         results[mode] = {**(fill if not exact else {}), **_lookup_stats(wall, cpu),
-                         "redis_cpu_us_per_lookup": (cpu1 - cpu0) / n * 1e6,
+                         "redis_us_per_lookup": _redis_usec(client) / n,
+                         "redis_cpu_us_per_lookup": (_redis_cpu(client) - cpu0) / n * 1e6,
                          "degraded_total": float(idx.degraded_total)}
         await idx.close()
-    client.config_resetstat()
-    cpu1, n_dec = _redis_cpu(client), n // 2
-    results["redis"]["decisions_per_s"] = await time_decisions(index, w, n_dec)
-    results["redis"]["redis_cpu_us_per_decision"] = (_redis_cpu(client) - cpu1) / n_dec * 1e6
-    evalsha = client.info("commandstats").get("cmdstat_evalsha", {})
-    results["redis"]["evalsha_us_per_script_call"] = float(evalsha.get("usec_per_call", 0.0))
-    behind = RedisPrefixIndex(base.model_copy(update={"redis_write_behind": True}))
-    results["redis-write-behind"] = {"decisions_per_s": await time_decisions(behind, w, n_dec)}
-    await behind.close()
+    for mode, behind in (("redis", False), ("redis-write-behind", True)):
+        idx = RedisPrefixIndex(base.model_copy(update={"redis_write_behind": behind}))
+        await time_lookups(idx, w, 5)
+        results.setdefault(mode, {}).update(await _redis_decisions(idx, client, w, n, turn_blocks, 2 if behind else 1))
+        await idx.close()
     await index.close()
     client.close()
     return results
@@ -167,25 +232,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-replica", type=int, default=2_000_000)
     parser.add_argument("--block-tokens", type=int, default=64)
     parser.add_argument("--chain-blocks", type=int, default=1500, help="request size in blocks (1,500 = ~100k tokens)")
-    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--iterations", type=int, default=2000, help="lookups, and decisions, per backend")
+    parser.add_argument("--sessions", type=int, default=100, help="interleaved conversations in the decision loop")
+    parser.add_argument("--turn-blocks", type=int, default=8, help="new blocks a turn adds (~500 tokens)")
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one (it is FLUSHED)")
     parser.add_argument("--skip-redis", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    w = make_workload(args.replicas, args.tokens_per_replica // args.block_tokens, args.chain_blocks)
+    w = make_workload(args.replicas, args.tokens_per_replica // args.block_tokens, args.chain_blocks, args.sessions)
     print(f"index: {args.replicas} replicas x {args.tokens_per_replica // args.block_tokens} blocks; "
           f"request: {len(w.request)} blocks; {args.iterations} lookups")
-    results = {"memory": asyncio.run(bench_memory(w, args.iterations))}
+    n, turn = args.iterations, args.turn_blocks
+    results = {"memory": asyncio.run(bench_memory(w, n, turn))}
     if not args.skip_redis:
-        results.update(_with_redis(args.redis_url, lambda url: asyncio.run(bench_redis(w, args.iterations, url))))
+        results.update(_with_redis(args.redis_url, lambda url: asyncio.run(bench_redis(w, n, url, turn))))
     for name, res in results.items():
         print(f"{name:11s} " + "  ".join(f"{k}={v:,.1f}" for k, v in res.items()))
     if "redis" in results:
         mem, red = results["memory"], results["redis"]
-        print(f"redis lookup adds p50 {red['p50_us'] - mem['p50_us']:,.0f} us wall over memory; "
-              f"redis-side CPU {red['redis_cpu_us_per_lookup']:,.0f} us + client CPU {red['cpu_p50_us']:,.0f} us "
+        print(f"lookup: redis adds p50 {red['p50_us'] - mem['p50_us']:,.0f} us wall over memory; "
+              f"redis server {red['redis_us_per_lookup']:,.0f} us + client CPU {red['cpu_p50_us']:,.0f} us "
               f"vs memory CPU {mem['cpu_p50_us']:,.0f} us")
+        print(f"decision: redis adds p50 {red['decision_p50_us'] - mem['decision_p50_us']:,.0f} us wall over "
+              f"memory (p99 {red['decision_p99_us']:,.0f} vs {mem['decision_p99_us']:,.0f} us); redis server "
+              f"{red['redis_us_per_decision']:,.0f} us + client CPU {red['decision_cpu_p50_us']:,.0f} us "
+              f"vs memory CPU {mem['decision_cpu_p50_us']:,.0f} us; "
+              f"CPU ratio (server + client) / memory = "
+              f"{(red['redis_us_per_decision'] + red['decision_cpu_p50_us']) / mem['decision_cpu_p50_us']:.1f}")
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -91,12 +92,12 @@ async def test_keys_have_ttls_and_replicas_stay_bounded(redis_url: str, clean: r
     for start in range(0, 5000, 500):
         await index.record(A, list(range(start + 1, start + 501)))
     await index.set_session("s", SessionEntry(A, 10, 1.0))
-    assert clean.zcard(b"fleet1:r:" + A.encode()) == 100
+    assert clean.hlen(b"fleet1:t:" + A.encode()) == 100
     keys = clean.keys("*")
     assert keys and all(str(k).startswith("b'fleet1:") for k in keys)
     persistent = [k for k in keys if clean.pttl(k) < 0 and k != b"fleet1:clock" and k != b"fleet1:alive"]
     assert persistent == []
-    assert 0 < clean.pttl(b"fleet1:r:" + A.encode()) <= 30_000
+    assert 0 < clean.pttl(b"fleet1:g:" + A.encode()) <= 30_000
     assert 0 < clean.pttl(b"fleet1:s:s") <= 20_000
     await index.close()
 
@@ -156,7 +157,7 @@ async def test_degrades_logs_once_and_recovers_after_restart(
     assert (await index.get_session("s")) == SessionEntry(A, 30, 1.0)
     await index.record(A, [7, 8])
     assert (await index.match([7, 8], [A]))[A] == PrefixMatch(2, 0)
-    assert redis.Redis.from_url(own_redis.url).exists(b"kvgate:r:" + A.encode())
+    assert redis.Redis.from_url(own_redis.url).exists(b"kvgate:t:" + A.encode())
     await index.close()
 
 
@@ -196,4 +197,47 @@ async def test_write_behind_outage_keeps_answering_locally(own_redis: RedisServe
     await index.record(B, [9])
     await index.flush()
     assert (await index.match([9], [B]))[B] == PrefixMatch(1, 0)
+    await index.close()
+
+
+async def test_segment_layout_follows_the_embedded_backend_on_conversations(
+        redis_url: str, clean: redis.Redis) -> None:
+    """Interleaved growing conversations (a shared prompt, turns extending their chain, a few
+    truncations) in small two-tier replicas: the Redis answers equal the embedded ones, and a
+    replica keeps a few segments, not one entry per block."""
+    rng = random.Random(5)
+    caps = ReplicaCapacity(device_blocks=60, host_blocks=40)
+    redis_index = RedisPrefixIndex(cfg(redis_url))
+    memory = MemoryPrefixIndex(default_capacity=caps)
+    replicas = [A, B]
+    for rid in replicas:
+        await redis_index.set_capacity(rid, caps)
+        await memory.set_capacity(rid, caps)
+    shared = [rng.getrandbits(64) for _ in range(8)]
+    chains = [shared + [rng.getrandbits(64) for _ in range(10)] for _ in range(6)]
+    for step in range(150):
+        s = rng.randrange(len(chains))
+        chains[s].extend(rng.getrandbits(64) for _ in range(rng.randrange(1, 6)))
+        rid = replicas[s % 2]
+        if rng.random() < 0.1:
+            keep = rng.randrange(len(chains[s]))
+            await redis_index.truncate(rid, chains[s], keep)
+            await memory.truncate(rid, chains[s], keep)
+        else:
+            await redis_index.record(rid, chains[s])
+            await memory.record(rid, chains[s])
+        for chain in chains:
+            assert await redis_index.match(chain, replicas) == await memory.match(chain, replicas), step
+    assert await redis_index.stats() == await memory.stats()
+    assert all(clean.hlen(f"kvgate:g:{rid}") <= 3 * len(chains) for rid in replicas)
+    assert not redis_index.degraded
+    await redis_index.close()
+
+
+async def test_capacity_is_resent_when_redis_forgot_it(redis_url: str, clean: redis.Redis) -> None:
+    index = RedisPrefixIndex(cfg(redis_url))
+    await index.set_capacity(A, ReplicaCapacity(device_blocks=5, host_blocks=1))
+    clean.flushdb()  # Redis lost its data (a restart nobody saw, or the keys expired)
+    await index.record(A, list(range(1, 10)))
+    assert (await index.match(list(range(1, 10)), [A]))[A] == PrefixMatch(device_blocks=5, host_blocks=1)
     await index.close()
