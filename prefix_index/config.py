@@ -24,7 +24,10 @@ class IndexConfig(BaseModel):
     )
     redis_exact_match: bool = Field(
         default=False,
-        description="Redis: check every block (O(sum of matches)) instead of searching chain boundaries (O(log n))",
+        description=(
+            "Redis: per-block recency and a full-check match, exact for any hash list (slower); "
+            "default: per-segment recency with a chain search, exact for chained hashes"
+        ),
     )
     redis_write_behind: bool = Field(
         default=False, description="Redis: record/truncate enqueue and a background task flushes batches"
