@@ -8,6 +8,12 @@
                                              the deadline; "wait": answer once removed
     POST   /admin/replicas/undrain  {"url"}  back to routable
     GET    /admin/config                     effective configuration, secrets redacted
+    GET    /admin/scale                      scale advice now: desired replicas, ranking
+                                             coldest first with cache value, candidate
+    POST   /admin/scale/prepare-removal {"count"}
+                                             mark the N coldest active replicas as removal
+                                             candidates (no new sessions, sessions move on
+                                             their next turn); 0 clears
 
 When ``admin_token`` is set every call needs ``Authorization: Bearer <token>``: none
 -> 401, a wrong one -> 403 (OpenAI-shaped bodies). Unknown replicas -> 404.
@@ -26,6 +32,7 @@ from starlette.responses import Response
 
 from gateway.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
 from gateway.proxy import json_response
+from gateway.scaling import report_json
 from replicas.model import ReplicaView
 
 if TYPE_CHECKING:
@@ -143,3 +150,19 @@ async def undrain_replica(ref: ReplicaRef, request: Request) -> Response:
 @router.get("/config")
 async def config(request: Request) -> Response:
     return json_response(_gateway(request).settings.redacted_dump())
+
+
+class PrepareRemoval(BaseModel):
+    count: int = Field(ge=0, description="how many of the coldest active replicas to mark (0: clear)")
+
+
+@router.get("/scale")
+async def scale(request: Request) -> Response:
+    report = await _gateway(request).scaling.evaluate()
+    return json_response(report_json(report))
+
+
+@router.post("/scale/prepare-removal")
+async def prepare_removal(body: PrepareRemoval, request: Request) -> Response:
+    report = await _gateway(request).scaling.prepare_removal(body.count)
+    return json_response(report_json(report))

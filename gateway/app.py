@@ -9,6 +9,9 @@ kept on ``app.state.gateway`` (a ``Gateway``), never in module globals:
 - the prefix index (``prefix_index.factory.make_index``),
 - the replica registry (probes, load accounting, drain), started and stopped here,
 - the policy (``policies.registry.make_policy``) and the ``Router`` around it,
+- discovery (``registry.discovery`` dns or kubernetes; static lists are the registry's
+  own) and the scale loop (``gateway.scaling.ScaleLoop``: desired replicas, cache-value
+  ranking, removal candidates, pod-deletion-cost), both background tasks,
 - registry listeners: a replica joining sizes its LRU in the index (tokens -> blocks,
   ``block_tokens = hashing.block_chars / hashing.chars_per_token``) and tells the
   policy; a replica leaving is forgotten by the index and the policy.
@@ -45,6 +48,7 @@ from gateway.proxy import (
     upstream_headers,
 )
 from gateway.router import FleetListener, Router
+from gateway.scaling import ScaleLoop, make_annotator
 from gateway.settings import Settings
 from policies.framework import Pipeline
 from policies.registry import make_policy
@@ -110,18 +114,23 @@ class Gateway:
         hashing = settings.hashing
         self.fleet = FleetListener(index, policy, hashing.block_chars / hashing.chars_per_token)
         registry.add_listener(self.fleet)
-        self._discovery: asyncio.Task[None] | None = None
+        self.scaling = ScaleLoop(settings.scale, registry, registry.views, index, policy.resident_window_s,
+                                 self.metrics, make_annotator(settings.scale))
+        self.hits = self.scaling.hits  # the proxy records each request's cached tokens here
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         await self.registry.start()
         if self.settings.registry.discovery != "static":
             discovery = make_discovery(self.settings.registry, self.registry)
-            self._discovery = asyncio.create_task(discovery.run(), name="discovery")
+            self._tasks.append(asyncio.create_task(discovery.run(), name="discovery"))
+        self._tasks.append(asyncio.create_task(self.scaling.run(), name="scale"))
 
     async def close(self) -> None:
-        if self._discovery is not None:
-            self._discovery.cancel()
-            await asyncio.gather(self._discovery, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.scaling.close()
         await self.registry.stop()
         await self.fleet.close()
         await self.index.close()

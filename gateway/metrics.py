@@ -19,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from prefix_index.base import IndexStats
 from replicas.model import ReplicaState, ReplicaView
+from replicas.scale import ScaleAdvice
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # seconds; spans fast cache hits to long prefills of huge prompts
@@ -70,6 +71,18 @@ class GatewayMetrics:
                                         "Attempts retried on another replica, by cause", ["reason"], registry=r)
         self.plugin_seconds = Counter("kvgate_policy_plugin_seconds",
                                       "Time spent in each policy plugin", ["plugin"], registry=r)
+        self.desired_replicas = Gauge("kvgate_desired_replicas",
+                                      "Replicas the fleet needs (cache working set, queueing); KEDA's signal",
+                                      registry=r)
+        self.replica_cache_value = Gauge(
+            "kvgate_replica_cache_value_tokens",
+            "What removing the replica would lose: resident session tokens + recent hits + in flight",
+            ["replica"], registry=r)
+        self.replica_deletion_cost = Gauge("kvgate_replica_deletion_cost",
+                                           "pod-deletion-cost the gateway asks for (lowest goes first)",
+                                           ["replica"], registry=r)
+        self.scale_errors = Counter("kvgate_scale_errors", "Scale loop failures, by stage (index, annotate, tick)",
+                                    ["stage"], registry=r)
         self._hits: deque[tuple[int, int]] = deque(maxlen=HIT_RATIO_WINDOW)
         self._hit_sums = [0, 0]  # cached, prompt over the window
         self._seen: dict[str, float] = {}
@@ -120,6 +133,19 @@ class GatewayMetrics:
 
     def retry(self, reason: str) -> None:
         self.upstream_retries.labels(reason).inc()
+
+    # -- scale loop ------------------------------------------------------------------
+    def scale_advice(self, advice: ScaleAdvice) -> None:
+        """Set from every evaluation of the scale loop (gateway/scaling.py)."""
+        self.desired_replicas.set(advice.desired_replicas)
+        self.replica_cache_value.clear()
+        self.replica_deletion_cost.clear()
+        for heat in advice.ranking:
+            self.replica_cache_value.labels(heat.url).set(heat.value)
+            self.replica_deletion_cost.labels(heat.url).set(advice.deletion_costs.get(heat.url, 0))
+
+    def scale_error(self, stage: str) -> None:
+        self.scale_errors.labels(stage).inc()
 
     # -- cumulative totals kept elsewhere, folded in on scrape ---------------------
     def _advance(self, key: str, total: float) -> float:

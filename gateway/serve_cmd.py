@@ -3,19 +3,39 @@
 Every flag is a shortcut for one settings field (``FLAG_FIELDS``); ``--set a.b=v`` sets
 any other field (the value is parsed as JSON when it parses, else taken as a string).
 Flags override the environment (``KVGATE_...``), which overrides ``--config``.
+
+Server: uvicorn with uvloop and httptools when installed (``uvicorn[standard]``; the
+pure-Python h11 parser and asyncio loop cost the gateway measurably more CPU per
+request), access log off. ``--workers N`` runs N gateway processes on one port (uvicorn
+forks them; each builds its own app from the same settings, passed to the children as
+JSON in ``KVGATE_SERVE_SETTINGS_JSON``). Workers share routing state only through Redis
+(``--redis-url``): without it each has its own prefix index, and affinity is per worker.
+
+Garbage collection: the objects alive at start-up (FastAPI, pydantic, prometheus, the
+policy: ~10^5 objects) are moved out of the collector's reach (``gc.freeze``), so the
+full collections that a 400 KB body's thousands of parsed objects trigger now and then
+scan only what requests allocate (they were the 400 KB request's p99: +30 ms).
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.settings import Settings, load_settings, set_path
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.types import Receive, Scope, Send
+
 log = logging.getLogger("kvgate.serve")
+SETTINGS_ENV = "KVGATE_SERVE_SETTINGS_JSON"  # settings handed to --workers children
 
 # flag dest -> settings fields (dotted); flags left unset do not override anything.
 # --redis-url is what several gateways share: the prefix index and the replica state.
@@ -43,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(settings: index.redis_url, registry.shared.redis_url)")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                         help="settings: log_level (default info)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="gateway processes on the port (default 1; share state via --redis-url)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="set_fields",
                         help="set any settings field, e.g. --set policy.params.alpha=0.5 (repeatable)")
 
@@ -74,6 +96,55 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, overrides_from_args(args))
 
 
+def server_options() -> dict[str, str]:
+    """uvloop and httptools when installed, else uvicorn's pure-Python defaults."""
+    def has(module: str) -> bool:
+        return importlib.util.find_spec(module) is not None
+
+    return {"loop": "uvloop" if has("uvloop") else "asyncio", "http": "httptools" if has("httptools") else "h11"}
+
+
+class InferenceFastPath:
+    """ASGI front: POSTs to the inference paths go straight to ``Gateway.handle``.
+
+    Skips FastAPI's middleware stack and router (five layers, ~8% of the gateway's CPU on
+    a small request); every other request, and the lifespan, goes to the app unchanged."""
+
+    def __init__(self, app: FastAPI) -> None:
+        from starlette.requests import Request
+
+        from gateway.app import ENDPOINT_PATHS
+        from gateway.errors import GatewayError
+        from gateway.proxy import error_response
+
+        self.app = app
+        self.endpoints = {path: endpoint for endpoint, path in ENDPOINT_PATHS.items()}
+        self.request, self.error, self.error_response = Request, GatewayError, error_response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" \
+            else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await self.app.state.gateway.handle(self.request(scope, receive), endpoint)
+        except Exception as exc:  # as the app's own handler: logged, OpenAI-shaped 500
+            log.exception("inference request failed")
+            response = self.error_response(self.error(f"internal gateway error ({type(exc).__name__})"))
+        await response(scope, receive, send)
+
+
+def app_from_env() -> InferenceFastPath:
+    """The app of one ``--workers`` child (uvicorn factory): settings from the parent."""
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    app = InferenceFastPath(create_app(Settings.model_validate(json.loads(os.environ[SETTINGS_ENV]))))
+    gc.freeze()
+    return app
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -90,7 +161,19 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     log.info("effective config: %s", json.dumps(settings.redacted_dump(), sort_keys=True))
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=settings.log_level == "debug", timeout_graceful_shutdown=30)
+    options: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
+                                   access_log=False, timeout_graceful_shutdown=30, **server_options())
+    workers = getattr(args, "workers", 1) or 1
+    if workers > 1:
+        if not settings.index.redis_url:
+            log.warning("%d workers without --redis-url: each worker routes with its own prefix index", workers)
+        data = settings.model_dump(mode="json")
+        if settings.admin_token is not None:
+            data["admin_token"] = settings.admin_token.get_secret_value()
+        os.environ[SETTINGS_ENV] = json.dumps(data)
+        uvicorn.run("gateway.serve_cmd:app_from_env", factory=True, workers=workers, **options)
+    else:
+        app = InferenceFastPath(create_app(settings))
+        gc.freeze()
+        uvicorn.run(app, **options)
     return 0

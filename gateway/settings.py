@@ -28,6 +28,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pydantic_settings.sources import InitSettingsSource
 
 from gateway.context import HashingConfig, SessionConfig
+from gateway.scaling import ScaleConfig
 from policies.config import PolicyConfig
 from prefix_index.config import IndexConfig
 from replicas.config import RegistryConfig
@@ -76,6 +77,7 @@ class Settings(BaseSettings):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     hashing: HashingConfig = Field(default_factory=HashingConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
+    scale: ScaleConfig = Field(default_factory=ScaleConfig)
 
     @model_validator(mode="after")
     def _routing_text_when_needed(self) -> Settings:

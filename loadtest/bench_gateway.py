@@ -14,7 +14,10 @@ both sides alike. Reported per body size (a small chat request; an agent-shaped
   (probes are slowed to once a minute so they do not count).
 
 Anchor on this machine: sglang-router 0.3.2 adds +0.2 ms p50 on a small request,
-+1.8 ms p50 and 1.8 ms of CPU per 400 KB request.
++1.8 ms p50 and 1.8 ms of CPU per 400 KB request. The machine is shared and noisy: for
+a comparison, measure sglang-router in the same run with the same method
+(``kvgate bench peers --overhead --targets kvgate,sglang-router``, which calls
+``measure`` below for every target).
 
     python -m loadtest.bench_gateway [--small 400] [--large 150] [--kb 400] [--policy cache-aware]
 """

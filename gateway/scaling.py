@@ -1,0 +1,268 @@
+"""The gateway's scale loop: desired replicas, cache-value ranking, removal candidates.
+
+Every ``scale.interval_s`` the loop (a task owned by the app's lifespan) evaluates
+``replicas.scale.ScaleAdvisor.tick`` over
+
+- the registry's views,
+- the resident working set per replica: ``index.resident_tokens(now, window)`` with the
+  policy's ``resident_window_s`` (the same figure the router gives the policy),
+- recent cache hits per replica: cached prompt tokens the replicas reported in ``usage``
+  over the last ``scale.hits_window_s`` seconds (:class:`HitWindow`; the proxy calls
+  ``gateway.hits.record(replica, cached_tokens)`` once per finished request),
+
+exports ``kvgate_desired_replicas`` (KEDA's signal), ``kvgate_replica_cache_value_tokens``
+and ``kvgate_replica_deletion_cost``, and, with ``scale.annotate_pods`` (in Kubernetes),
+writes ``controller.kubernetes.io/pod-deletion-cost`` on the replica pods so a scale-in
+deletes the coldest pod.
+
+Removal candidates come from two sources, merged by :class:`CandidateMarks` before they
+reach the registry: the advisor (after the low-usage cooldown) and the operator
+(``POST /admin/scale/prepare-removal {"count": N}``: the N coldest active replicas, kept
+until the next such call; ``count: 0`` clears). A candidate gets no new sessions and its
+sessions move on their next turn, so little cache is lost when Kubernetes removes it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+from pydantic import BaseModel, Field
+
+from prefix_index.base import ReplicaId
+from replicas.model import ReplicaState, ReplicaView
+from replicas.scale import PodDeletionCostAnnotator, ScaleAdvice, ScaleAdvisor, ScaleParams
+
+log = logging.getLogger("kvgate.scaling")
+_P = ScaleParams  # defaults of the advisor's parameters live in replicas/scale.py
+
+
+class ScaleConfig(BaseModel):
+    """The ``scale`` section: the advisor's parameters and how the gateway runs it."""
+
+    interval_s: float = Field(default=5.0, gt=0, description="how often the scale advice is evaluated")
+    hits_window_s: float = Field(default=300.0, gt=0, description="window of recent cache hits per replica")
+    annotate_pods: bool = Field(default=False, description="write pod-deletion-cost on replica pods (Kubernetes)")
+    namespace: str | None = Field(default=None, description="replica pods' namespace (None: the gateway pod's)")
+    pod_selector: str = Field(default="app.kubernetes.io/name=sglang", description="label selector of replica pods")
+    hit_weight: float = Field(default=_P.hit_weight, ge=0, description="weight of recent hit tokens in cache value")
+    in_flight_tokens: int = Field(default=_P.in_flight_tokens, ge=0, description="cache value of one in-flight request")
+    cost_quantum_tokens: int = Field(default=_P.cost_quantum_tokens, ge=1, description="tokens per deletion-cost unit")
+    high_watermark: float = Field(default=_P.high_watermark, gt=0, description="working set / capacity: scale out")
+    low_watermark: float = Field(default=_P.low_watermark, ge=0, description="below it for cooldown_s: scale in")
+    queue_per_replica: float = Field(default=_P.queue_per_replica, ge=0, description="waiting per replica: scale out")
+    cooldown_s: float = Field(default=_P.cooldown_s, ge=0, description="low usage this long before scaling in")
+    min_replicas: int = Field(default=_P.min_replicas, ge=0)
+    max_replicas: int = Field(default=_P.max_replicas, ge=1)
+
+    def params(self) -> ScaleParams:
+        return ScaleParams(self.hit_weight, self.in_flight_tokens, self.cost_quantum_tokens, self.high_watermark,
+                           self.low_watermark, self.queue_per_replica, self.cooldown_s, self.min_replicas,
+                           self.max_replicas)
+
+
+class HitWindow:
+    """Cached prompt tokens per replica over the last ``window_s`` seconds (rolling sum).
+
+    ``record`` is on the request path: an append and an add (amortised O(1))."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window_s, self._clock = window_s, clock
+        self._events: dict[ReplicaId, deque[tuple[float, int]]] = {}
+        self._sums: dict[ReplicaId, int] = {}
+
+    def record(self, replica: ReplicaId, cached_tokens: int | None) -> None:
+        if not cached_tokens:
+            return
+        events = self._events.get(replica)
+        if events is None:
+            events = self._events[replica] = deque()
+            self._sums[replica] = 0
+        events.append((self._clock(), cached_tokens))
+        self._sums[replica] += cached_tokens
+        if len(events) > 64:
+            self._expire(replica, self._clock())
+
+    def _expire(self, replica: ReplicaId, now: float) -> None:
+        events = self._events[replica]
+        while events and now - events[0][0] > self._window_s:
+            self._sums[replica] -= events.popleft()[1]
+
+    def totals(self) -> dict[ReplicaId, int]:
+        now = self._clock()
+        for replica in list(self._events):
+            self._expire(replica, now)
+            if not self._events[replica]:
+                del self._events[replica], self._sums[replica]
+        return dict(self._sums)
+
+
+class CandidateRegistry(Protocol):
+    """The Registry's part the marks drive."""
+
+    def set_removal_candidate(self, url: str, flag: bool) -> None: ...
+
+
+class CandidateMarks:
+    """Merges the advisor's and the operator's removal candidates into the registry flag."""
+
+    def __init__(self, registry: CandidateRegistry) -> None:
+        self._registry = registry
+        self.auto: set[ReplicaId] = set()
+        self.manual: set[ReplicaId] = set()
+
+    def marked(self) -> set[ReplicaId]:
+        return self.auto | self.manual
+
+    def _apply(self, url: ReplicaId, before: bool) -> None:
+        after = url in self.marked()
+        if after != before:
+            try:
+                self._registry.set_removal_candidate(url, after)
+            except KeyError:  # the replica left meanwhile
+                log.debug("removal candidate %s: replica gone", url)
+
+    def set_removal_candidate(self, url: ReplicaId, flag: bool) -> None:
+        """The advisor's marker (``RemovalMarker``)."""
+        before = url in self.marked()
+        (self.auto.add if flag else self.auto.discard)(url)
+        self._apply(url, before)
+
+    def set_manual(self, urls: Iterable[ReplicaId]) -> None:
+        wanted = set(urls)
+        changed = self.manual ^ wanted
+        before = {u: u in self.marked() for u in changed}
+        self.manual = wanted
+        for url in sorted(changed):
+            self._apply(url, before[url])
+
+    def forget_missing(self, present: set[ReplicaId]) -> None:
+        self.manual &= present
+
+
+@dataclass(frozen=True)
+class ScaleReport:
+    """One evaluation: the advice and the inputs it came from (for the admin API)."""
+
+    advice: ScaleAdvice
+    resident_tokens: Mapping[ReplicaId, int]
+    hit_tokens: Mapping[ReplicaId, int]
+    views: tuple[ReplicaView, ...]
+    marked: frozenset[ReplicaId]
+
+    def candidate(self) -> ReplicaId | None:
+        """The replica to remove next: a marked candidate, else the coldest active replica."""
+        active = [h.url for h in self.advice.ranking if h.state is ReplicaState.ACTIVE]
+        return next((u for u in active if u in self.marked), active[0] if active else None)
+
+
+class ResidentSource(Protocol):
+    """The index's part the loop reads (``PrefixIndex.resident_tokens``)."""
+
+    async def resident_tokens(self, now_s: float, window_s: float) -> dict[ReplicaId, int]: ...
+
+
+class ScaleMetrics(Protocol):
+    def scale_advice(self, advice: ScaleAdvice) -> None: ...
+
+    def scale_error(self, stage: str) -> None: ...
+
+
+class ScaleLoop:
+    """Owns the advisor, the hit window, the candidate marks and the optional annotator."""
+
+    def __init__(self, config: ScaleConfig, registry: CandidateRegistry, views: Callable[[], Iterable[ReplicaView]],
+                 index: ResidentSource, resident_window_s: float, metrics: ScaleMetrics,
+                 annotator: tuple[PodDeletionCostAnnotator, httpx.AsyncClient] | None = None) -> None:
+        self.config = config
+        self.hits = HitWindow(config.hits_window_s)
+        self.marks = CandidateMarks(registry)
+        self.advisor = ScaleAdvisor(config.params(), marker=self.marks)
+        self._views, self._index, self._window_s = views, index, resident_window_s
+        self._metrics = metrics
+        self._annotator: PodDeletionCostAnnotator | None = annotator[0] if annotator else None
+        self._api_client: httpx.AsyncClient | None = annotator[1] if annotator else None
+        self._lock = asyncio.Lock()
+        self.last: ScaleReport | None = None
+
+    async def evaluate(self) -> ScaleReport:
+        """One tick: advice, candidate marks, metrics (annotating pods is the loop's job)."""
+        async with self._lock:
+            views = tuple(self._views())
+            self.marks.forget_missing({v.id for v in views})
+            try:
+                resident = await self._index.resident_tokens(time.time(), self._window_s)
+            except Exception as exc:  # noqa: BLE001 - a failing index degrades the advice, counted
+                self._metrics.scale_error("index")
+                log.warning("scale: resident tokens unavailable (%s: %s)", type(exc).__name__, exc)
+                resident = {}
+            hits = self.hits.totals()
+            advice = await self.advisor.tick(views, resident, hits)
+            self._metrics.scale_advice(advice)
+            self.last = ScaleReport(advice, resident, hits, views, frozenset(self.marks.marked()))
+            return self.last
+
+    async def prepare_removal(self, count: int) -> ScaleReport:
+        """Mark the ``count`` coldest active replicas (current marks first, for stability)."""
+        report = await self.evaluate()
+        active = [h.url for h in report.advice.ranking if h.state is ReplicaState.ACTIVE]
+        chosen = sorted(active, key=lambda u: (u not in self.marks.manual, active.index(u)))[:max(0, count)]
+        self.marks.set_manual(chosen)
+        return await self.evaluate()
+
+    async def annotate(self, advice: ScaleAdvice) -> None:
+        if self._annotator is None:
+            return
+        try:
+            patched = await self._annotator.apply(advice.deletion_costs)
+        except Exception as exc:  # noqa: BLE001 - API server trouble must not stop the loop; counted
+            self._metrics.scale_error("annotate")
+            log.warning("scale: pod-deletion-cost annotation failed (%s: %s)", type(exc).__name__, exc)
+            return
+        if patched:
+            log.info("scale: pod-deletion-cost updated on %s", ", ".join(patched))
+
+    async def close(self) -> None:
+        if self._api_client is not None:
+            await self._api_client.aclose()
+
+    async def run(self) -> None:
+        """Until cancelled: evaluate, annotate, sleep."""
+        while True:
+            try:
+                report = await self.evaluate()
+                await self.annotate(report.advice)
+            except Exception:  # a loop must survive one bad iteration
+                self._metrics.scale_error("tick")
+                log.exception("scale loop iteration failed")
+            await asyncio.sleep(self.config.interval_s)
+
+
+def make_annotator(config: ScaleConfig) -> tuple[PodDeletionCostAnnotator, httpx.AsyncClient] | None:
+    """The in-cluster pod annotator and its API client when ``annotate_pods`` (raises outside a pod)."""
+    if not config.annotate_pods:
+        return None
+    from replicas.discovery_k8s import ApiServer
+
+    api = ApiServer.in_cluster(config.namespace)
+    client = api.client()
+    return PodDeletionCostAnnotator(client, api.namespace, config.pod_selector), client
+
+
+def report_json(report: ScaleReport) -> dict[str, object]:
+    """``GET /admin/scale``: the advice, ranking coldest first with its cache value."""
+    advice = report.advice
+    in_flight = {v.id: v.in_flight for v in report.views}
+    ranking = [{"url": h.url, "state": h.state.value, "cache_value_tokens": round(h.value),
+                "resident_tokens": report.resident_tokens.get(h.url, 0),
+                "hit_tokens": report.hit_tokens.get(h.url, 0), "in_flight": in_flight.get(h.url, 0),
+                "deletion_cost": advice.deletion_costs.get(h.url, 0),
+                "removal_candidate": h.url in report.marked} for h in advice.ranking]
+    return {"desired_replicas": advice.desired_replicas, "current_replicas": advice.current_replicas,
+            "reason": advice.reason, "candidate": report.candidate(), "ranking": ranking,
+            "removal_candidates": sorted(report.marked)}
