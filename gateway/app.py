@@ -97,7 +97,8 @@ class Gateway:
     """Everything a request needs, built by the lifespan and kept on ``app.state``."""
 
     def __init__(self, settings: Settings, client: httpx.AsyncClient, index: PrefixIndex,
-                 registry: Registry, policy: Pipeline, *, shared_state: bool = False) -> None:
+                 registry: Registry, policy: Pipeline, *, shared_state: bool = False,
+                 lean_upstream: bool = True) -> None:
         self.settings = settings
         self.client = client
         self.index = index
@@ -110,7 +111,7 @@ class Gateway:
         self.router = Router(policy, index, registry.views, self.metrics, clock=time.time,
                              resident_window_s=policy.resident_window_s,
                              rng=random.Random(settings.policy.seed))
-        self.proxy = Proxy(self)
+        self.proxy = Proxy(self, lean_upstream=lean_upstream)
         hashing = settings.hashing
         self.fleet = FleetListener(index, policy, hashing.block_chars / hashing.chars_per_token)
         registry.add_listener(self.fleet)
@@ -134,6 +135,7 @@ class Gateway:
         await self.registry.stop()
         await self.fleet.close()
         await self.index.close()
+        self.proxy.close()
         await self.client.aclose()
 
     def request_done(self, endpoint: str, status: int, started_s: float) -> None:
@@ -173,7 +175,8 @@ def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None
     shared_cfg = settings.registry.shared
     shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
     registry = Registry(settings.registry, client, shared=shared, clock=time.time)
-    return Gateway(settings, client, index, registry, policy, shared_state=shared is not None)
+    return Gateway(settings, client, index, registry, policy, shared_state=shared is not None,
+                   lean_upstream=transport is None)
 
 
 def _install_routes(app: FastAPI) -> None:

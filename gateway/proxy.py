@@ -91,16 +91,18 @@ class Attempt:
 class Proxy:
     """Sends a parsed request to the fleet with failover; returns the client's Response."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, *, lean_upstream: bool = True) -> None:
+        """``lean_upstream``: send with the gateway's own HTTP/1.1 pool (production); False
+        sends through the shared httpx client (unit tests inject a transport there)."""
         self.gw = gateway
         self.max_retries = gateway.settings.max_retries
         self.first_byte_timeout_s = gateway.settings.first_byte_timeout_s
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         self.reserve_margin = gateway.settings.reserve_margin
         settings = gateway.settings
-        # the lean client, unless a test injected a transport into the shared httpx client
-        injected = type(getattr(gateway.client, "_transport", None)) is not httpx.AsyncHTTPTransport
-        self.upstream = None if injected else UpstreamPool(settings.connect_timeout_s, settings.read_timeout_s)
+        self.upstream = (
+            UpstreamPool(settings.connect_timeout_s, settings.read_timeout_s) if lean_upstream else None
+        )
 
     def close(self) -> None:
         """Close the kept-alive upstream connections (the httpx client is closed by its owner)."""

@@ -21,16 +21,19 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from gateway.metrics import GatewayMetrics
 from policies.base import Decision, Outcome, Policy, RequestContext, RoutingInputs
-from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId
+from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
 from replicas.model import ReplicaState, ReplicaView
 
 log = logging.getLogger("kvgate.router")
 T = TypeVar("T")
+
+RESIDENT_CACHE_S = 1.0
+"""How long the fleet's resident working set (a sum over live sessions) is reused."""
 
 
 class Router:
@@ -52,6 +55,7 @@ class Router:
         self.resident_window_s = resident_window_s
         self.rng = rng
         self.clock = clock
+        self._resident_cache: tuple[float, Mapping[ReplicaId, int]] | None = None
 
     async def _guarded(self, what: str, call: Awaitable[T], fallback: T) -> T:
         try:
@@ -62,26 +66,38 @@ class Router:
             return fallback
 
     async def snapshot(self, ctx: RequestContext) -> RoutingInputs:
-        """Everything the policy reads, taken once per request."""
+        """Everything the policy reads, taken once per request.
+
+        The index reads run concurrently (one round-trip wait on a remote backend instead
+        of four); the fleet's resident working set changes slowly and is cached for
+        ``RESIDENT_CACHE_S``.
+        """
         now_s = self.clock()
         replicas = tuple(self._views())
         ids = [v.id for v in replicas]
         empty: dict[ReplicaId, PrefixMatch] = {r: PrefixMatch() for r in ids}
-        matches = empty
-        if ctx.block_hashes and ids:
-            matches = await self._guarded("match", self.index.match(ctx.block_hashes, ids), empty)
-        session = parent = None
-        if ctx.session.session is not None:
-            session = await self._guarded("get_session", self.index.get_session(ctx.session.session), None)
-        if ctx.session.parent is not None:
-            parent = await self._guarded("get_session", self.index.get_session(ctx.session.parent), None)
-        resident = await self._guarded(
-            "resident_tokens", self.index.resident_tokens(now_s, self.resident_window_s), {}
+        matches, session, parent, resident = await asyncio.gather(
+            self._guarded("match", self.index.match(ctx.block_hashes, ids), empty)
+            if ctx.block_hashes and ids else _value(empty),
+            self._guarded("get_session", self.index.get_session(ctx.session.session), None)
+            if ctx.session.session is not None else _none(),
+            self._guarded("get_session", self.index.get_session(ctx.session.parent), None)
+            if ctx.session.parent is not None else _none(),
+            self._resident(now_s),
         )
         return RoutingInputs(
             replicas=replicas, matches=matches, session=session, parent_session=parent,
             resident_tokens=resident, now_s=now_s,
         )
+
+    async def _resident(self, now_s: float) -> Mapping[ReplicaId, int]:
+        if self._resident_cache is not None and now_s - self._resident_cache[0] < RESIDENT_CACHE_S:
+            return self._resident_cache[1]
+        resident: Mapping[ReplicaId, int] = await self._guarded(
+            "resident_tokens", self.index.resident_tokens(now_s, self.resident_window_s), {}
+        )
+        self._resident_cache = (now_s, resident)
+        return resident
 
     def decide(
         self, ctx: RequestContext, inputs: RoutingInputs, exclude: frozenset[ReplicaId] = frozenset()
@@ -162,3 +178,11 @@ class FleetListener:
     async def close(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _value(value: T) -> T:
+    return value
+
+
+async def _none() -> SessionEntry | None:
+    return None
