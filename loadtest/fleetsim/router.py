@@ -1,0 +1,144 @@
+"""The gateway's routing path, in virtual time: views, index reads, decide, hooks, leases.
+
+`SimRouter` does for one simulated fleet what ``gateway/router.py`` + the registry do
+for a real one, with the real policy and the real embedded index:
+
+1. **Views.** One frozen ``ReplicaView`` per replica, built from (a) the gateway's own
+   exact accounting (``replicas.load.LoadCounters`` held through a ``LoadLease`` per
+   request: in flight, predicted uncached prefill until the first token, decoding) and
+   (b) what the replica last *reported*: the engine's ``snapshot()`` taken at most every
+   ``loads_poll_interval_s`` (the registry polls ``/v1/loads`` that often). Polls are
+   lazy: a decision finding the last poll older than the interval polls first, so a
+   reading is between 0 and ``loads_poll_interval_s`` old (a real poller's readings are
+   uniformly so), and an idle fleet costs nothing.
+2. **Snapshot.** ``index.match(block_hashes)``, the session and parent entries,
+   ``index.resident_tokens(now, policy.resident_window_s)``.
+3. ``policy.decide(ctx, inputs, rng)``; ``NoRoutableReplica`` -> the request is rejected.
+4. ``policy.on_routed`` (record the chain and the session), the lease counts the request.
+5. On the first token ``lease.first_byte()``; on the end ``lease.release()`` and
+   ``policy.on_completed`` with an ``Outcome`` carrying the engine's ``cached_tokens``, so
+   the index feedback (truncate on over-prediction) runs as in production.
+
+The index and hooks are async (``prefix_index.base``); the embedded backend never
+awaits, so `run_sync` drives each coroutine to completion without an event loop (and
+fails loudly should a backend ever really wait).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from loadtest.simulator.engine import EngineStats
+from policies.base import (
+    Decision,
+    NoRoutableReplica,
+    Outcome,
+    Policy,
+    RequestContext,
+    RoutingInputs,
+)
+from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId
+from replicas.load import LoadCounters, LoadLease
+from replicas.model import ReplicaState, ReplicaView
+from replicas.probe import Capacity, ReportedLoad
+
+T = TypeVar("T")
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (the embedded index's) and return its value."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("fleetsim: an index or hook call suspended; only non-blocking backends are supported")
+
+
+def reported_load(s: EngineStats) -> ReportedLoad:
+    """What the registry keeps of a replica's ``/v1/loads`` answer, from the engine's stats."""
+    return ReportedLoad(s.num_running_reqs, s.num_waiting_reqs, s.num_waiting_uncached_tokens,
+                        s.token_usage, s.max_running_requests)
+
+
+class SimRouter:
+    """Routing for one simulated fleet (see the module docstring)."""
+
+    def __init__(self, policy: Policy, index: PrefixIndex, ids: list[ReplicaId], spec: Capacity,
+                 snapshot: Any, block_tokens: int, seed: int, loads_poll_interval_s: float = 1.0,
+                 resident_window_s: float = 600.0) -> None:
+        self.policy = policy
+        self.index = index
+        self.ids = ids
+        self.spec = spec
+        self._snapshot = snapshot  # engine index -> EngineStats at the current time
+        self.rng = random.Random(seed)
+        self.poll_s = loads_poll_interval_s
+        self.resident_window_s = resident_window_s
+        self.counters = [LoadCounters() for _ in ids]
+        self.reported = [ReportedLoad() for _ in ids]
+        self._last_poll_s = -float("inf")
+        self.polls = 0
+        self._slot = {rid: i for i, rid in enumerate(ids)}
+        capacity = ReplicaCapacity(spec.device_tokens // block_tokens, spec.host_tokens // block_tokens)
+        for rid in ids:
+            policy.on_replica_added(rid)
+            run_sync(index.set_capacity(rid, capacity))
+
+    def slot(self, rid: ReplicaId) -> int:
+        return self._slot[rid]
+
+    def _poll(self, now_s: float) -> None:
+        if now_s - self._last_poll_s < self.poll_s:
+            return
+        self._last_poll_s = now_s
+        self.polls += 1
+        self.reported = [reported_load(self._snapshot(i)) for i in range(len(self.ids))]
+
+    def views(self, now_s: float) -> tuple[ReplicaView, ...]:
+        self._poll(now_s)
+        s = self.spec
+        return tuple(
+            ReplicaView(
+                id=rid, state=ReplicaState.ACTIVE, device_tokens=s.device_tokens,
+                host_tokens=s.host_tokens, page_size=s.page_size,
+                max_running_requests=s.max_running_requests, in_flight=c.in_flight,
+                pending_prefill_tokens=c.pending_prefill_tokens, decoding=c.decoding,
+                reported_running=r.running, reported_waiting=r.waiting,
+                reported_waiting_uncached_tokens=r.waiting_uncached_tokens,
+                reported_token_usage=r.token_usage, added_at_s=0.0,
+            )
+            for rid, c, r in zip(self.ids, self.counters, self.reported)
+        )
+
+    def inputs(self, ctx: RequestContext, now_s: float) -> RoutingInputs:
+        index = self.index
+        matches: dict[ReplicaId, PrefixMatch]
+        if ctx.block_hashes:
+            matches = run_sync(index.match(ctx.block_hashes, self.ids))
+        else:
+            matches = {rid: PrefixMatch() for rid in self.ids}
+        key, parent = ctx.session.session, ctx.session.parent
+        return RoutingInputs(
+            replicas=self.views(now_s), matches=matches,
+            session=run_sync(index.get_session(key)) if key is not None else None,
+            parent_session=run_sync(index.get_session(parent)) if parent is not None else None,
+            resident_tokens=run_sync(index.resident_tokens(now_s, self.resident_window_s)),
+            now_s=now_s,
+        )
+
+    def route(self, ctx: RequestContext, now_s: float) -> tuple[Decision, LoadLease] | None:
+        """Decide and record; None when no replica can take the request (rejected)."""
+        inputs = self.inputs(ctx, now_s)
+        try:
+            decision = self.policy.decide(ctx, inputs, self.rng)
+        except NoRoutableReplica:
+            return None
+        run_sync(self.policy.on_routed(ctx, decision, self.index, now_s))
+        slot = self._slot[decision.replica]
+        lease = LoadLease(decision.replica, self.counters[slot], decision.predicted_uncached_tokens)
+        return decision, lease
+
+    def completed(self, ctx: RequestContext, decision: Decision, outcome: Outcome, now_s: float) -> None:
+        run_sync(self.policy.on_completed(ctx, decision, outcome, self.index, now_s))

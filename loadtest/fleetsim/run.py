@@ -1,0 +1,224 @@
+"""One policy on a fresh simulated fleet over a whole workload, in virtual time.
+
+`run_policy` builds N ``ReplicaEngine``s in one ``VirtualFleet``, a fresh embedded
+``MemoryPrefixIndex`` (its session clock is the virtual clock) and a fresh policy
+(``policies.registry.make_policy``), then lets `loadtest.fleetsim.sessions` send the
+workload's turns. Each turn becomes a ``RequestContext`` exactly as the gateway would
+build it (session keys from the session's headers by ``gateway.context.session_keys``,
+block hashes, prompt size, ``max_tokens``) and a ``SimRequest`` (``ignore_eos``: the
+trace's output length) for the engine the policy picked (`loadtest.fleetsim.router`).
+
+Streaming: the request is submitted with ``stream=True`` so the engine reports the
+first token (the gateway's lease moves from prefill to decode then); the listener then
+sets the request's ``stream`` to False so the engine stops rendering token ids for it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.context import HashingConfig, SessionConfig, session_keys
+from gateway.settings import POLICIES_NEEDING_ROUTING_TEXT
+from loadtest.fleetsim.metrics import Record, summarize
+from loadtest.fleetsim.oracle import Oracle
+from loadtest.fleetsim.prompts import TEXT_CHARS_PER_BLOCK, SessionPrompt
+from loadtest.fleetsim.router import SimRouter
+from loadtest.fleetsim.sessions import Done, Pacing, start_closed_loop, start_open_loop
+from loadtest.simulator.clock import VirtualFleet
+from loadtest.simulator.engine import ReplicaEngine, RequestResult, SimRequest
+from loadtest.simulator.profile import Profile
+from loadtest.workload import Session, Workload
+from policies.base import Decision, Outcome, RequestContext, SessionKeys
+from policies.registry import make_policy
+from policies.sglang_cache_aware import SglangParams
+from prefix_index.base import ReplicaId
+from prefix_index.config import IndexConfig
+from prefix_index.memory import MemoryPrefixIndex
+from replicas.load import LoadLease
+from replicas.probe import Capacity
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    profile: Profile
+    replicas: int = 8
+    gpus_per_replica: int = 8
+    pacing: Pacing = field(default_factory=Pacing)
+    seed: int = 0
+    max_requests: int | None = None
+    sim_duration_s: float | None = None
+    loads_poll_interval_s: float = 1.0
+    policy_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    policy: str
+    records: list[Record]
+    summary: dict[str, Any]
+    wall_s: float
+
+
+class _Conv:
+    """Per conversation: its prompt state, session keys and routing key."""
+
+    __slots__ = ("keys", "prompt")
+
+    def __init__(self, session: Session, max_tokens_hashed: int, want_text: bool) -> None:
+        bs = session.block_size
+        self.prompt = SessionPrompt(session.namespace, session.id, bs,
+                                    max(1, max_tokens_hashed // bs), want_text)
+        self.keys: SessionKeys = session_keys(session.headers, None, SessionConfig())
+
+
+class _InFlight:
+    """The engine's listener for one request (and the gateway's lease for it)."""
+
+    __slots__ = ("ctx", "decision", "lease", "on_done", "rec", "req", "run")
+
+    def __init__(self, run: FleetRun, rec: Record, ctx: RequestContext, decision: Decision,
+                 lease: LoadLease, req: SimRequest, on_done: Done) -> None:
+        self.run, self.rec, self.ctx, self.decision = run, rec, ctx, decision
+        self.lease, self.req, self.on_done = lease, req, on_done
+
+    def on_tokens(self, rid: str, token_ids: Any, now_s: float) -> None:
+        if self.rec.first_token_s is None:
+            self.rec.first_token_s = now_s
+            self.lease.first_byte()
+        self.req.stream = False  # only the first token matters (see the module docstring)
+
+    def on_finish(self, result: RequestResult, now_s: float) -> None:
+        self.run.finished(self, result, now_s)
+
+
+class FleetRun:
+    """One policy, one fresh fleet and index; implements `sessions.Sender`."""
+
+    def __init__(self, workload: Workload, policy_name: str, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.workload = workload
+        prof = cfg.profile
+        self.engines = [ReplicaEngine(prof, seed=cfg.seed + i) for i in range(cfg.replicas)]
+        self.fleet = VirtualFleet(self.engines)
+        # the index's session clock is the virtual clock
+        self.index = MemoryPrefixIndex(session_ttl_s=IndexConfig().session_ttl_s, clock=self._now)
+        block = workload.sessions[0].block_size if workload.sessions else 64
+        self.want_text = policy_name in POLICIES_NEEDING_ROUTING_TEXT
+        self.policy = make_policy(policy_name, self._params(policy_name, block), cfg.seed)
+        spec = Capacity(prof.device_tokens, prof.host_tokens, prof.page_size, prof.max_running_requests,
+                        prof.served_model_name)
+        self.router = SimRouter(self.policy, self.index, [ReplicaId(f"sim-{i}") for i in range(cfg.replicas)],
+                                spec, self.fleet.snapshot, block, cfg.seed, cfg.loads_poll_interval_s,
+                                getattr(self.policy, "resident_window_s", 600.0))
+        h = HashingConfig()
+        self.max_tokens_hashed = int(h.max_blocks * h.block_chars / h.chars_per_token)
+        self.oracle = Oracle()
+        self.records: list[Record] = []
+        self.convs: dict[str, _Conv] = {}
+        self.sent = 0
+
+    def _now(self) -> float:
+        return self.fleet.now_s
+
+    def _params(self, name: str, block_size: int) -> dict[str, Any]:
+        """The policy's params; a text policy's character budget scaled like its text."""
+        params = dict(self.cfg.policy_params.get(name) or {})
+        if self.want_text:
+            scale = TEXT_CHARS_PER_BLOCK / (4 * block_size)
+            params.setdefault("max_tree_chars", max(1, int(SglangParams().max_tree_chars * scale)))
+        return params
+
+    # -- sessions.Sender ---------------------------------------------------------------
+    def stopped(self, now_s: float) -> bool:
+        c = self.cfg
+        return (c.max_requests is not None and self.sent >= c.max_requests) or (
+            c.sim_duration_s is not None and now_s >= c.sim_duration_s)
+
+    def send(self, session: Session, turn: int, now_s: float, on_done: Done) -> None:
+        self.sent += 1
+        conv = self.convs.get(session.id)
+        if conv is None:
+            conv = self.convs[session.id] = _Conv(session, self.max_tokens_hashed, self.want_text)
+        t = session.turns[turn]
+        prompt = conv.prompt
+        prompt.advance(t.shared_blocks, t.new_hash_ids)
+        if turn == len(session.turns) - 1:
+            del self.convs[session.id]
+        rec = Record(session.id, turn, session.parent is not None, now_s, t.in_tokens)
+        self.records.append(rec)
+        ctx = self._context(session, conv, turn, t.in_tokens, t.out_tokens)
+        routed = self.router.route(ctx, now_s)
+        if routed is None:
+            rec.rejected = True
+            on_done(now_s)
+            return
+        decision, lease = routed
+        slot = self.router.slot(decision.replica)
+        rec.replica, rec.reason = slot, decision.reason
+        rec.predicted_cached = decision.predicted_cached_tokens
+        hashes = prompt.hashes
+        matched = self.oracle.match_blocks(hashes)
+        rec.oracle_cached = min(matched * session.block_size, t.in_tokens)
+        req = SimRequest(ctx.request_id, prompt.prompt_ids(t.in_tokens, turn), t.out_tokens,
+                         ignore_eos=True, seed=self.cfg.seed, stream=True)
+        self.fleet.submit(slot, req, _InFlight(self, rec, ctx, decision, lease, req, on_done))
+        if not rec.rejected:
+            self.oracle.record(hashes, matched)
+
+    def _context(self, session: Session, conv: _Conv, turn: int, in_tokens: int,
+                 out_tokens: int) -> RequestContext:
+        p = conv.prompt
+        hashes = p.block_hashes()
+        keys = conv.keys
+        routing_key = keys.session or (f"p:{hashes[0]:016x}" if hashes else f"p:{p.key:016x}")
+        return RequestContext(
+            request_id=f"{session.id}#{turn}", endpoint="chat", model=self.cfg.profile.served_model_name,
+            session=keys, block_hashes=hashes, prompt_chars=in_tokens * 4, est_prompt_tokens=in_tokens,
+            block_tokens=session.block_size, max_tokens=out_tokens, stream=True,
+            routing_key=routing_key, routing_text=p.routing_text(in_tokens, turn),
+        )
+
+    # -- completion --------------------------------------------------------------------
+    def finished(self, f: _InFlight, result: RequestResult, now_s: float) -> None:
+        rec = f.rec
+        rec.finish_s = now_s
+        f.lease.release()
+        if result.finish_reason == "abort":
+            rec.rejected = True
+            outcome = Outcome(ok=False, status=503)
+        else:
+            rec.completion_tokens = result.completion_tokens
+            rec.cached_device, rec.cached_host = result.cached_device, result.cached_host
+            rec.first_token_s = result.first_token_s
+            ttft = None if result.first_token_s is None else result.first_token_s - rec.arrival_s
+            outcome = Outcome(ok=True, status=200, prompt_tokens=result.prompt_tokens,
+                              cached_tokens=result.cached_tokens,
+                              completion_tokens=result.completion_tokens, ttft_s=ttft)
+        self.router.completed(f.ctx, f.decision, outcome, now_s)
+        f.on_done(now_s)
+
+    # -- the run -----------------------------------------------------------------------
+    def run(self) -> RunResult:
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        if self.workload.open_loop:
+            start_open_loop(self.workload, self.fleet, self)
+        else:
+            start_closed_loop(self.workload, self.fleet, self, self.cfg.pacing)
+        self.fleet.run()
+        stats = [e.snapshot() for e in self.engines]
+        cfg = self.cfg
+        summary = summarize(self.records, cfg.replicas, cfg.replicas * cfg.gpus_per_replica,
+                            [s.total_prefill_busy_s for s in stats],
+                            sum(s.total_prefill_uncached_tokens for s in stats))
+        wall = time.perf_counter() - wall0
+        summary.update(policy=self.policy.name, wall_s=wall, cpu_s=time.process_time() - cpu0, load_polls=self.router.polls,
+                       evicted_tokens=sum(s.evicted_tokens_total for s in stats),
+                       host_dropped_tokens=sum(s.host_dropped_tokens_total for s in stats))
+        return RunResult(self.policy.name, self.records, summary, wall)
+
+
+def run_policy(workload: Workload, policy_name: str, cfg: SimConfig) -> RunResult:
+    """Simulate one policy over the workload on a fresh fleet and index."""
+    return FleetRun(workload, policy_name, cfg).run()

@@ -1,0 +1,142 @@
+"""`kvgate simulate`: a whole fleet over a trace in virtual time, policies side by side.
+
+Runs the REAL policies (``policies.registry``) and the REAL embedded prefix index
+against simulated replicas (``loadtest.simulator``) in virtual time, so a whole trace
+takes seconds to minutes. Each policy gets a fresh fleet and index and the same
+workload and seed. Prints a table (one row per policy, plus the oracle: infinite cache,
+perfect affinity) and optionally writes JSON (``config``, ``oracle``, ``results``).
+See loadtest/fleetsim/README.md.
+
+    kvgate simulate --trace ../shared/traces/claude-code --replicas 8 \\
+        --profile kimi-k2.6-b200-tp8 --policy cache-aware,round-robin,least-load
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+
+from loadtest.fleetsim.metrics import oracle_summary
+from loadtest.fleetsim.run import SimConfig, run_policy
+from loadtest.fleetsim.sessions import Pacing
+from loadtest.fleetsim.table import results_table
+from loadtest.simulator.profile import DEFAULT_PROFILE, load_profile
+from loadtest.workload import Workload
+from policies.registry import DEFAULT_POLICY, POLICY_NAMES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", action="append", required=True, metavar="PATH",
+                   help="trace file or folder (plain or .gz); repeatable; 'synthetic' for generated sessions")
+    p.add_argument("--format", choices=("claude-code", "mooncake", "bailian", "synthetic"), default=None,
+                   help="trace format (default: detected)")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help="simulator profile name or .toml path")
+    p.add_argument("--gpus-per-replica", type=int, default=None, help="default: the profile's tp_size")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"policy or comma-separated policies ('all': {','.join(POLICY_NAMES)})")
+    p.add_argument("--policy-params", default=None,
+                   help='JSON object: policy name -> params, e.g. \'{"cache-aware": {"move_margin_s": 0.5}}\'')
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--sessions-concurrent", type=int, default=None,
+                      help="closed loop: sessions active at once (default 64)")
+    pace.add_argument("--session-rate", type=float, default=None, help="session starts per simulated second")
+    p.add_argument("--limit-sessions", type=int, default=None)
+    p.add_argument("--think-scale", type=float, default=1.0, help="multiply think times")
+    p.add_argument("--max-think-s", type=float, default=None, help="cap one think time (simulated s)")
+    p.add_argument("--ramp-s", type=float, default=0.0, help="closed loop: first sessions start over this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-requests", type=int, default=None, help="stop sending after this many requests")
+    p.add_argument("--sim-duration-s", type=float, default=None, help="stop sending after this simulated time")
+    p.add_argument("--loads-poll-s", type=float, default=1.0, help="registry /v1/loads poll interval")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="override the profile's context length (longer prompts are rejected)")
+    p.add_argument("--synthetic-scale", type=float, default=1.0,
+                   help="--trace synthetic: multiply every token size (e.g. 0.02 for the tiny profile)")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results JSON here")
+    p.add_argument("--quiet", action="store_true", help="no table")
+
+
+def load_workload(args: argparse.Namespace) -> Workload:
+    if args.format == "synthetic" or args.trace == ["synthetic"]:
+        from loadtest.synthetic import SyntheticParams, generate
+
+        params = SyntheticParams(sessions=args.limit_sessions or 64).scaled(args.synthetic_scale)
+        return generate(params, seed=args.seed)
+    from loadtest import traces
+
+    return traces.load([Path(t) for t in args.trace], args.format, args.limit_sessions)
+
+
+def policy_names(spec: str) -> list[str]:
+    names = list(POLICY_NAMES) if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown or not names:
+        raise SystemExit(f"kvgate simulate: unknown policy {unknown}; known: {', '.join(POLICY_NAMES)}")
+    return names
+
+
+def make_config(args: argparse.Namespace) -> SimConfig:
+    profile = load_profile(args.profile)
+    if args.context_length is not None:
+        profile = profile.replace(context_length=args.context_length)
+    pacing = Pacing(
+        sessions_concurrent=None if args.session_rate else (args.sessions_concurrent or 64),
+        session_rate=args.session_rate, think_scale=args.think_scale, max_think_s=args.max_think_s,
+        ramp_s=args.ramp_s, seed=args.seed,
+    )
+    params = orjson.loads(args.policy_params) if args.policy_params else {}
+    return SimConfig(profile=profile, replicas=args.replicas,
+                     gpus_per_replica=args.gpus_per_replica or profile.tp_size or 8, pacing=pacing,
+                     seed=args.seed, max_requests=args.max_requests, sim_duration_s=args.sim_duration_s,
+                     loads_poll_interval_s=args.loads_poll_s, policy_params=params)
+
+
+def config_dict(args: argparse.Namespace, cfg: SimConfig, workload: Workload) -> dict[str, Any]:
+    return {"trace": args.trace, "format": workload.name, "sessions": len(workload.sessions),
+            "trace_requests": workload.request_count(), "profile": cfg.profile.name,
+            "context_length": cfg.profile.context_length, "replicas": cfg.replicas,
+            "gpus_per_replica": cfg.gpus_per_replica, "pacing": dataclasses.asdict(cfg.pacing),
+            "open_loop": workload.open_loop, "seed": cfg.seed, "max_requests": cfg.max_requests,
+            "sim_duration_s": cfg.sim_duration_s, "loads_poll_interval_s": cfg.loads_poll_interval_s,
+            "policy_params": dict(cfg.policy_params)}
+
+
+def progress_line(s: dict[str, Any]) -> str:
+    hit, p99 = s.get("cache_hit_rate"), s.get("ttft_p99_s")
+    return (f"{s['policy']}: {s['requests']:,} requests ({s['rejected']:,} rejected), hit "
+            f"{100 * (hit or 0):.2f}% (oracle {100 * (s.get('oracle_cache_hit_rate') or 0):.2f}%), "
+            f"TTFT p99 {p99 if p99 is None else round(p99, 3)} s; {s['span_s']:,.0f} simulated s "
+            f"in {s['wall_s']:.1f} s wall, {s['cpu_s']:.1f} s CPU")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = policy_names(args.policy)
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    workload = load_workload(args)
+    cfg = make_config(args)
+    console.print(f"loaded {len(workload.sessions)} sessions, {workload.request_count():,} requests "
+                  f"in {time.perf_counter() - t0:.1f} s")
+    results: list[dict[str, Any]] = []
+    oracle: dict[str, Any] = {}
+    config = config_dict(args, cfg, workload)
+    for name in names:
+        res = run_policy(workload, name, cfg)
+        results.append(res.summary)
+        oracle = oracle or oracle_summary(res.records, cfg.profile.prefill_tokens_per_s)
+        console.print(progress_line(res.summary))
+        if args.json_out:  # after every policy, so a long sweep leaves partial results
+            doc = {"config": config, "oracle": oracle, "results": results}
+            Path(args.json_out).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    if not args.quiet:
+        out = Console()
+        if not out.is_terminal:
+            out = Console(width=170)
+        out.print(results_table(oracle, results))
+    return 0
