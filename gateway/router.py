@@ -32,6 +32,7 @@ from replicas.model import ReplicaState, ReplicaView
 log = logging.getLogger("kvgate.router")
 T = TypeVar("T")
 
+NO_MATCH = PrefixMatch()
 RESIDENT_CACHE_S = 1.0
 """How long the fleet's resident working set (a sum over live sessions) is reused."""
 
@@ -70,12 +71,14 @@ class Router:
 
         The index reads run concurrently (one round-trip wait on a remote backend instead
         of four); the fleet's resident working set changes slowly and is cached for
-        ``RESIDENT_CACHE_S``.
+        ``RESIDENT_CACHE_S`` (kept current by ``routed``). The replica views are read
+        LAST, after every await: from there to the load lease nothing yields to the event
+        loop, so concurrent requests each see the load of the decisions made before them
+        (no herding on a stale snapshot).
         """
         now_s = self.clock()
-        replicas = tuple(self._views())
-        ids = [v.id for v in replicas]
-        empty: dict[ReplicaId, PrefixMatch] = {r: PrefixMatch() for r in ids}
+        ids = [v.id for v in self._views()]
+        empty: dict[ReplicaId, PrefixMatch] = {}
         matches, session, parent, resident = await asyncio.gather(
             self._guarded("match", self.index.match(ctx.block_hashes, ids), empty)
             if ctx.block_hashes and ids else _value(empty),
@@ -85,9 +88,13 @@ class Router:
             if ctx.session.parent is not None else _none(),
             self._resident(now_s),
         )
+        replicas = tuple(self._views())
+        if self._resident_cache is not None:
+            resident = self._resident_cache[1]  # includes decisions made while we awaited
         return RoutingInputs(
-            replicas=replicas, matches=matches, session=session, parent_session=parent,
-            resident_tokens=resident, now_s=now_s,
+            replicas=replicas,
+            matches={v.id: matches.get(v.id, NO_MATCH) for v in replicas},
+            session=session, parent_session=parent, resident_tokens=resident, now_s=now_s,
         )
 
     async def _resident(self, now_s: float) -> Mapping[ReplicaId, int]:
@@ -112,7 +119,19 @@ class Router:
         return decision
 
     async def routed(self, ctx: RequestContext, decision: Decision) -> None:
+        """Right after the lease, before anything yields: account, then run the hooks."""
+        self._account_resident(ctx, decision)
         await self._guarded("on_routed", self.policy.on_routed(ctx, decision, self.index, self.clock()), None)
+
+    def _account_resident(self, ctx: RequestContext, decision: Decision) -> None:
+        """Keep the cached resident set current between refreshes: a session just routed
+        is resident on its replica now (sequential new sessions must see each other)."""
+        if self._resident_cache is None or ctx.session.session is None:
+            return
+        taken_s, resident = self._resident_cache
+        updated = dict(resident)
+        updated[decision.replica] = updated.get(decision.replica, 0) + ctx.est_prompt_tokens + (ctx.max_tokens or 0)
+        self._resident_cache = (taken_s, updated)
 
     async def completed(self, ctx: RequestContext, decision: Decision, outcome: Outcome) -> None:
         await self._guarded(
