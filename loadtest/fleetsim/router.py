@@ -29,7 +29,7 @@ import random
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from loadtest.simulator.engine import EngineStats
+from loadtest.simulator.stats import EngineStats
 from policies.base import (
     Decision,
     NoRoutableReplica,

@@ -8,9 +8,9 @@ build it (session keys from the session's headers by ``gateway.context.session_k
 block hashes, prompt size, ``max_tokens``) and a ``SimRequest`` (``ignore_eos``: the
 trace's output length) for the engine the policy picked (`loadtest.fleetsim.router`).
 
-Streaming: the request is submitted with ``stream=True`` so the engine reports the
-first token (the gateway's lease moves from prefill to decode then); the listener then
-sets the request's ``stream`` to False so the engine stops rendering token ids for it.
+Streaming: the request is submitted with ``stream="first"``: the engine reports the
+first token only (the gateway's lease moves from prefill to decode then) and renders no
+token ids after it.
 """
 from __future__ import annotations
 
@@ -76,18 +76,17 @@ class _Conv:
 class _InFlight:
     """The engine's listener for one request (and the gateway's lease for it)."""
 
-    __slots__ = ("ctx", "decision", "lease", "on_done", "rec", "req", "run")
+    __slots__ = ("ctx", "decision", "lease", "on_done", "rec", "run")
 
     def __init__(self, run: FleetRun, rec: Record, ctx: RequestContext, decision: Decision,
-                 lease: LoadLease, req: SimRequest, on_done: Done) -> None:
+                 lease: LoadLease, on_done: Done) -> None:
         self.run, self.rec, self.ctx, self.decision = run, rec, ctx, decision
-        self.lease, self.req, self.on_done = lease, req, on_done
+        self.lease, self.on_done = lease, on_done
 
     def on_tokens(self, rid: str, token_ids: Any, now_s: float) -> None:
         if self.rec.first_token_s is None:
             self.rec.first_token_s = now_s
             self.lease.first_byte()
-        self.req.stream = False  # only the first token matters (see the module docstring)
 
     def on_finish(self, result: RequestResult, now_s: float) -> None:
         self.run.finished(self, result, now_s)
@@ -162,8 +161,8 @@ class FleetRun:
         matched = self.oracle.match_blocks(hashes)
         rec.oracle_cached = min(matched * session.block_size, t.in_tokens)
         req = SimRequest(ctx.request_id, prompt.prompt_ids(t.in_tokens, turn), t.out_tokens,
-                         ignore_eos=True, seed=self.cfg.seed, stream=True)
-        self.fleet.submit(slot, req, _InFlight(self, rec, ctx, decision, lease, req, on_done))
+                         ignore_eos=True, seed=self.cfg.seed, stream="first")
+        self.fleet.submit(slot, req, _InFlight(self, rec, ctx, decision, lease, on_done))
         if not rec.rejected:
             self.oracle.record(hashes, matched)
 

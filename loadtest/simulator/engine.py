@@ -27,7 +27,10 @@ Scheduling (SGLang's unified scheduler, no mixed chunk):
   plan after the step in progress, so results do not depend on how often ``advance`` is
   called (listeners may call ``submit`` from their callbacks).
 * On finish, prompt + output (minus the last token) full pages are cached, as SGLang does.
-* ``SimRequest.stream=False`` skips ``on_tokens`` (virtual-time load tests need results only).
+* ``SimRequest.stream``: ``True`` calls ``on_tokens`` for every emission; ``"first"`` only
+  for the first token (the end of prefill: virtual-time load tests need the time to first
+  token, not the ids); ``False`` never (results only). Counters, the recent window and
+  ``snapshot`` live in ``stats.py``.
 """
 
 from __future__ import annotations
@@ -35,14 +38,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from loadtest.simulator import tokenizer
+from loadtest.simulator import stats, tokenizer
 from loadtest.simulator.kvcache import PagedPrefixCache
 from loadtest.simulator.profile import Profile
+from loadtest.simulator.stats import EngineStats
+
+__all__ = ["EngineStats", "ReplicaEngine", "RequestListener", "RequestResult", "SimRequest"]
 
 MILLI = 1000
 MAX_PLAN_STEPS = 4096  # bound on one planned decode run (memory n x steps)
@@ -55,7 +61,9 @@ class SimRequest:
     max_new_tokens: int
     ignore_eos: bool = False
     seed: int = 0
-    stream: bool = True  # False: no on_tokens calls (virtual-time load tests)
+    # True: on_tokens for every emission; "first": for the first token only (time to
+    # first token, virtual-time load tests); False: never (results only)
+    stream: bool | Literal["first"] = True
 
 
 @dataclass
@@ -165,8 +173,8 @@ class ReplicaEngine:
         self._step: _Prefill | _DecodeRun | None = None
         self._last_was_prefill = False
         self._now = 0.0
-        self.window = RecentWindow(profile.recent_window_s)
-        self.totals = EngineTotals()
+        self.window = stats.RecentWindow(profile.recent_window_s)
+        self.totals = stats.EngineTotals()
 
     # -- public API --------------------------------------------------------------------
     @property
@@ -236,47 +244,18 @@ class ReplicaEngine:
 
     def snapshot(self) -> EngineStats:
         """Loads, cache and counters at the engine's current simulated time."""
-        cache, totals, prof = self.cache, self.totals, self.profile
-        used = cache.locked_tokens
-        queued = sum(x.prompt_len for x in self._waiting)
-        uncached = sum(x.prefill_left for x in self._prefilling)
-        uncached += sum(x.prompt_len - x.submit_match for x in self._waiting)
-        tokens, verify, cached, prompt = self.window.sums(self._now)
-        elapsed = min(self.window.window_s, self._now) or self.window.window_s
-        avg_accept = totals.decode_tokens / totals.verify_calls if totals.verify_calls else 0.0
-        return EngineStats(
-            now_s=self._now,
-            num_running_reqs=len(self._running) + len(self._prefilling),
-            num_decoding_reqs=len(self._running),
-            num_waiting_reqs=len(self._waiting),
-            num_waiting_uncached_tokens=uncached,
-            num_used_tokens=used,
-            num_total_tokens=used + queued,
-            max_total_num_tokens=cache.device_total_tokens,
-            max_running_requests=prof.max_running_requests,
-            token_usage=used / cache.device_total_tokens,
-            device_cached_tokens=cache.device_used_tokens - used,
-            gen_throughput=tokens / elapsed,
-            cache_hit_rate=cached / prompt if prompt else 0.0,
-            spec_accept_length=tokens / verify if verify else avg_accept,
-            spec_accept_length_avg=avg_accept,
-            spec_verify_calls_total=totals.verify_calls,
+        waiting = self._waiting
+        queues = stats.QueueLoads(
+            prefilling=len(self._prefilling),
+            decoding=len(self._running),
+            waiting=len(waiting),
+            waiting_prompt_tokens=sum(x.prompt_len for x in waiting),
+            waiting_uncached_tokens=sum(x.prefill_left for x in self._prefilling)
+            + sum(x.prompt_len - x.submit_match for x in waiting),
             decode_sum_seq_lens=sum(x.ctx for x in self._running),
-            hicache_host_used_tokens=cache.host_used_tokens,
-            hicache_host_total_tokens=cache.host_total_tokens,
-            prompt_tokens_total=totals.prompt_tokens,
-            generation_tokens_total=totals.generation_tokens,
-            cached_tokens_total_device=totals.cached_device,
-            cached_tokens_total_host=totals.cached_host,
-            evicted_tokens_total=cache.evicted_tokens_total,
-            host_dropped_tokens_total=cache.host_dropped_tokens_total,
-            load_back_tokens_total=cache.load_back_tokens_total,
-            total_prefill_uncached_tokens=totals.prefill_uncached_tokens,
-            total_prefill_busy_s=totals.prefill_busy_s,
-            num_requests_total=totals.num_requests,
-            num_aborted_requests_total=totals.num_aborted,
-            is_idle=self.is_idle(),
+            max_running=self.profile.max_running_requests,
         )
+        return stats.build_stats(self._now, queues, self.cache, self.totals, self.window)
 
     # -- request set-up ----------------------------------------------------------------
     def _make_live(self, req: SimRequest, listener: RequestListener, now_s: float) -> _Live | None:
@@ -454,7 +433,7 @@ class ReplicaEngine:
             if live.aborted:
                 continue
             row = run.cum[i]
-            if live.req.stream:
+            if live.req.stream is True:  # "first": the first token came with the prefill
                 base = run.gen0[i]
                 for k in range(first, stop):
                     lo, hi = int(row[k]), int(row[k + 1])
@@ -512,110 +491,3 @@ class ReplicaEngine:
         parent = live.hashes[-1] if live.hashes else 0
         extra = self.cache.hashes(np.concatenate((tail, out)), parent)
         self._commit(live, extra)
-
-
-@dataclass
-class EngineTotals:
-    """Cumulative counters (Prometheus counters of the replica)."""
-
-    num_requests: int = 0
-    num_aborted: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_device: int = 0
-    cached_host: int = 0
-    prefill_uncached_tokens: int = 0
-    prefill_busy_s: float = 0.0
-    decode_tokens: int = 0
-    verify_calls: int = 0
-
-    def record_finish(self, result: RequestResult) -> None:
-        self.num_requests += 1
-        self.num_aborted += result.finish_reason == "abort"
-        self.prompt_tokens += result.prompt_tokens
-        self.generation_tokens += result.completion_tokens
-        self.cached_device += result.cached_device
-        self.cached_host += result.cached_host
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Everything /metrics and /v1/loads report, at one simulated instant."""
-
-    now_s: float
-    num_running_reqs: int  # prefilling + decoding (they hold KV)
-    num_decoding_reqs: int
-    num_waiting_reqs: int
-    num_waiting_uncached_tokens: int
-    num_used_tokens: int  # KV locked by running requests
-    num_total_tokens: int  # num_used_tokens + prompt tokens of queued requests
-    max_total_num_tokens: int
-    max_running_requests: int
-    token_usage: float
-    device_cached_tokens: int  # evictable cached pages on the device
-    gen_throughput: float  # tokens/s over the recent window
-    cache_hit_rate: float  # cached/prompt tokens of admissions in the recent window
-    spec_accept_length: float  # tokens per verify step in the recent window
-    spec_accept_length_avg: float  # since start (server_info avg_spec_accept_length)
-    spec_verify_calls_total: int
-    decode_sum_seq_lens: int
-    hicache_host_used_tokens: int
-    hicache_host_total_tokens: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    cached_tokens_total_device: int
-    cached_tokens_total_host: int
-    evicted_tokens_total: int
-    host_dropped_tokens_total: int
-    load_back_tokens_total: int
-    total_prefill_uncached_tokens: int
-    total_prefill_busy_s: float
-    num_requests_total: int
-    num_aborted_requests_total: int
-    is_idle: bool
-
-
-class RecentWindow:
-    """Sums over the last ``window_s`` simulated seconds (decode steps, admissions)."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        # (step end times, tokens per step, verify calls per step)
-        self._steps: deque[tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], int]] = deque()
-        self._admissions: deque[tuple[float, int, int]] = deque()
-
-    def add_steps(
-        self, t_end: npt.NDArray[np.float64], tokens: npt.NDArray[np.int64], verify_per_step: int
-    ) -> None:
-        if len(t_end):
-            self._steps.append((t_end, tokens, verify_per_step))
-            self._prune(float(t_end[-1]) - self.window_s)
-
-    def add_tokens(self, t: float, tokens: int, verify: int) -> None:
-        if tokens:
-            self._steps.append((np.array([t]), np.array([tokens]), verify))
-            self._prune(t - self.window_s)
-
-    def add_admission(self, t: float, cached: int, prompt: int) -> None:
-        self._admissions.append((t, cached, prompt))
-        self._prune(t - self.window_s)
-
-    def _prune(self, lo: float) -> None:
-        while self._steps and self._steps[0][0][-1] <= lo:
-            self._steps.popleft()
-        while self._admissions and self._admissions[0][0] <= lo:
-            self._admissions.popleft()
-
-    def sums(self, now_s: float) -> tuple[int, int, int, int]:
-        """(tokens, verify calls, cached tokens, prompt tokens) in (now - window, now]."""
-        lo = now_s - self.window_s
-        self._prune(lo)
-        tokens = verify = 0
-        for t_end, toks, per_step in self._steps:
-            a = int(np.searchsorted(t_end, lo, side="right"))
-            b = int(np.searchsorted(t_end, now_s, side="right"))
-            tokens += int(toks[a:b].sum())
-            verify += per_step * (b - a)
-        cached = sum(c for t, c, _ in self._admissions if t <= now_s)
-        prompt = sum(p for t, _, p in self._admissions if t <= now_s)
-        return tokens, verify, cached, prompt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -240,3 +241,52 @@ def test_listener_may_submit_from_on_finish(kimi: Profile) -> None:
     assert [rec.results[f"t{i}"].completion_tokens for i in range(4)] == [20] * 4
     assert all(rec.results[f"t{i}"].cached_tokens >= 4992 for i in range(1, 4))
     assert engine.is_idle() and engine.snapshot().num_used_tokens == 0
+
+
+def _stream_run(kimi: Profile, stream: bool | Literal["first"]) -> tuple[Recorder, ReplicaEngine]:
+    """Six overlapping requests (prefill chunks and decode runs interleave), one mode."""
+    engine, rec = ReplicaEngine(kimi), Recorder()
+    for i in range(6):
+        ids = _ids(800 + i, 3000 + 4000 * i)
+        engine.submit(SimRequest(f"r{i}", ids, 300, ignore_eos=True, stream=stream), rec, 0.05 * i)
+    _drain(engine)
+    return rec, engine
+
+
+def test_stream_first_reports_only_the_first_token(kimi: Profile) -> None:
+    full, _ = _stream_run(kimi, True)
+    first, first_engine = _stream_run(kimi, "first")
+    silent, silent_engine = _stream_run(kimi, False)
+    assert silent.tokens == {}
+    for rid, result in first.results.items():
+        assert first.tokens[rid] == [(1, result.first_token_s)]
+        assert full.tokens[rid][0] == first.tokens[rid][0] and len(full.tokens[rid]) > 1
+        assert result == full.results[rid] == silent.results[rid]
+    assert first_engine.snapshot() == silent_engine.snapshot()
+
+
+def test_stream_first_with_an_abort_during_prefill(kimi: Profile) -> None:
+    engine, rec = ReplicaEngine(kimi), Recorder()
+    engine.submit(SimRequest("a", _ids(900, 100_000), 50, stream="first"), rec, 0.0)
+    engine.abort("a", 1.0)  # prefill takes ~2.5 s
+    _drain(engine)
+    assert "a" not in rec.tokens and rec.results["a"].first_token_s is None
+
+
+def test_engine_stats_is_reexported_and_snapshot_is_consistent(kimi: Profile) -> None:
+    from loadtest.simulator import engine as engine_mod
+    from loadtest.simulator import stats as stats_mod
+
+    assert engine_mod.EngineStats is stats_mod.EngineStats
+    assert "EngineStats" in engine_mod.__all__
+    profile = kimi.replace(max_running_requests=2)
+    engine, rec = ReplicaEngine(profile), Recorder()
+    for i in range(4):
+        engine.submit(SimRequest(f"r{i}", _ids(950 + i, 2000), 400, ignore_eos=True), rec, 0.0)
+    engine.advance(0.5)
+    snap = engine.snapshot()
+    assert isinstance(snap, stats_mod.EngineStats) and snap.now_s == 0.5
+    assert snap.num_running_reqs == 2 and snap.num_waiting_reqs == 2
+    assert snap.num_total_tokens == snap.num_used_tokens + 2 * 2000
+    assert snap.max_running_requests == 2 and not snap.is_idle
+    assert snap == engine.snapshot()  # a snapshot does not change the engine
