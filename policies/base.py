@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefix_index.base import BlockHash, PrefixIndex, PrefixMatch, ReplicaId, SessionEntry

@@ -18,8 +18,9 @@ replicas or sessions: they return empty answers.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType, Protocol, Sequence, runtime_checkable
+from typing import NewType, Protocol, runtime_checkable
 
 ReplicaId = NewType("ReplicaId", str)
 """A replica's URL exactly as configured (e.g. ``http://127.0.0.1:31001``)."""
