@@ -24,5 +24,9 @@ fi
 echo "== installing the peer routers (sglang-router 0.3.2, smg 1.13.0) into .venv-peers/"
 bash loadtest/peers/install.sh
 
+echo "== static checks (ruff, mypy --strict)"
+$PY -m ruff check gateway policies prefix_index replicas loadtest
+$PY -m mypy --strict gateway policies prefix_index replicas loadtest
+
 echo "== running the tests"
 exec $PY -m pytest "$@"
