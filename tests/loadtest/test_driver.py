@@ -15,10 +15,10 @@ from loadtest.driver import (
     Driver,
     DriverConfig,
     RemoteTargetError,
-    StreamParser,
     check_target,
     drive,
 )
+from loadtest.sse import StreamParser
 from loadtest.simulator.fleet import SimFleet
 from loadtest.synthetic import SyntheticParams, generate
 from loadtest.traces import load
