@@ -66,6 +66,7 @@ from loadtest.peers.run import (
     running_peer,
 )
 from loadtest.peers.summary import peers_table, replica_counters, routing_errors, with_replica_side
+from loadtest.replay_oracle import oracle_hit_rate
 from loadtest.report import run_with_progress
 from loadtest.results import RunResult, summarize
 from loadtest.simulator.fleet import SimFleet
@@ -205,6 +206,8 @@ def one_run(
             (),
             summarize([], replicas=len(fleet.urls), gpus_per_replica=args.gpus_per_replica),
         )
+    # the bound for exactly the requests this run sent (infinite cache, perfect affinity)
+    extra["oracle_hit_rate"] = oracle_hit_rate(workload, run.records)
     return with_replica_side(run, before, replica_counters(fleet.urls), extra)
 
 
