@@ -70,6 +70,7 @@ class SimFleet:
         self.n, self.profile, self.time_scale, self.seed = n, profile, time_scale, seed
         self.extra_args = list(extra_args)
         self.host = host
+        self.base_port = base_port
         self.ports = [base_port + i if base_port else free_port(host) for i in range(n)]
         self.urls = [f"http://{host}:{port}" for port in self.ports]
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvgate-sim-fleet-"))
@@ -91,14 +92,30 @@ class SimFleet:
         return self.log_path(i).read_text(errors="replace")
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for i in range(self.n):
-            log = open(self.log_path(i), "wb")  # noqa: SIM115 (closed in stop())
-            self._logs.append(log)
-            self.procs.append(subprocess.Popen(self.command(i), stdout=log, stderr=subprocess.STDOUT,
-                                               env=env, start_new_session=True))
-        for url, proc in zip(self.urls, self.procs):
-            wait_healthy(url, self.ready_timeout_s, proc)
+            self._logs.append(open(self.log_path(i), "ab"))  # noqa: SIM115 (closed in stop())
+            self.procs.append(self._launch(i))
+        for i in range(self.n):
+            self._wait_ready(i)
+
+    def _launch(self, i: int) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(self.command(i), stdout=self._logs[i], stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+
+    def _wait_ready(self, i: int, attempts: int = 3) -> None:
+        """Wait for replica ``i``; if it died because its free port was taken between
+        choosing and binding (another process got it first), relaunch on a new port."""
+        for attempt in range(attempts):
+            try:
+                wait_healthy(self.urls[i], self.ready_timeout_s, self.procs[i])
+                return
+            except RuntimeError:
+                if self.base_port or attempt == attempts - 1 or "address already in use" not in self.output(i):
+                    raise
+            self.ports[i] = free_port(self.host)
+            self.urls[i] = f"http://{self.host}:{self.ports[i]}"
+            self.procs[i] = self._launch(i)
 
     def signal(self, i: int, sig: int = signal.SIGTERM) -> None:
         if self.procs[i].poll() is None:

@@ -38,22 +38,31 @@ class Gateway:
 
 
 def start_gateway(replicas: list[str], log_path: Path, *extra: str) -> Gateway:
-    port = free_port()
-    args = ["serve", "--port", str(port), "--admin-token", ADMIN_TOKEN, "--log-level", "warning",
-            "--set", "registry.probe_interval_s=0.5", "--set", "registry.loads_poll_interval_s=0.5",
-            "--set", "policy.seed=7"]
-    for url in replicas:
-        args += ["--replica", url]
-    proc = Proc(kvgate_cmd(*args, *extra), log_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", timeout_s=30.0)
-        if replicas:
-            wait_http(url + "/ready", timeout_s=30.0)
-    except TimeoutError:
-        proc.stop()
-        raise RuntimeError(f"gateway did not start:\n{proc.output()[-3000:]}") from None
-    return Gateway(proc, url)
+    """A `kvgate serve` process; relaunched on a new port if its free port was taken
+    between choosing and binding (another test's process got it first)."""
+    for attempt in range(3):
+        port = free_port()
+        args = ["serve", "--port", str(port), "--admin-token", ADMIN_TOKEN, "--log-level", "warning",
+                "--set", "registry.probe_interval_s=0.5", "--set", "registry.loads_poll_interval_s=0.5",
+                "--set", "policy.seed=7"]
+        for url in replicas:
+            args += ["--replica", url]
+        proc = Proc(kvgate_cmd(*args, *extra), log_path)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(url + "/health", timeout_s=30.0, proc=proc.popen)
+            if proc.popen.poll() is not None:  # another process answered on that port
+                raise TimeoutError("gateway exited")
+            if replicas:
+                wait_http(url + "/ready", timeout_s=30.0, proc=proc.popen)
+        except TimeoutError:
+            proc.stop()
+            output = proc.output()
+            if "address already in use" in output and attempt < 2:
+                continue
+            raise RuntimeError(f"gateway did not start:\n{output[-3000:]}") from None
+        return Gateway(proc, url)
+    raise AssertionError("unreachable")
 
 
 GatewayFactory = Callable[..., Gateway]

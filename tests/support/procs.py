@@ -11,8 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import httpx
 
@@ -26,10 +26,15 @@ def free_port() -> int:
         return port
 
 
-def wait_http(url: str, timeout_s: float = 20.0, ok: Sequence[int] = (200,)) -> None:
+def wait_http(url: str, timeout_s: float = 20.0, ok: Sequence[int] = (200,),
+              proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll ``url`` until it answers one of ``ok``; ``TimeoutError`` at the deadline, or at
+    once when ``proc`` (the server being waited for) has exited."""
     deadline = time.monotonic() + timeout_s
     last: object = None
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise TimeoutError(f"{url}: the server process exited with {proc.returncode}")
         try:
             r = httpx.get(url, timeout=1.0)
             if r.status_code in ok:
@@ -78,7 +83,8 @@ class Proc:
             self.popen.wait(5)
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
 
