@@ -56,7 +56,7 @@ class Proc:
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         if env:
             full_env.update(env)
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.popen = subprocess.Popen(
             self.args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT),
             start_new_session=True,
