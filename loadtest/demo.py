@@ -55,25 +55,38 @@ class GatewayProcess:
 
     def __init__(self, policy: str, replica_urls: Sequence[str], extra_args: Sequence[str] = (),
                  ready_timeout_s: float = 30.0, log_dir: Path | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--policy", policy, "--log-level", "warning",
-                    *(a for u in replica_urls for a in ("--replica", u)), *extra_args]
+        self.args = ["--policy", policy, "--log-level", "warning",
+                     *(a for u in replica_urls for a in ("--replica", u)), *extra_args]
+        self._choose_port()
         self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="kvgate-gw-"))) / f"gateway-{policy}.log"
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def _choose_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1",
+                    "--port", str(self.port), *self.args]
+
     def __enter__(self) -> Self:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(3):
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                             start_new_session=True)
+            try:
+                self._wait_ready()
+                return self
+            except RuntimeError:
+                self.stop()
+                # the free port was taken between choosing and binding: take another one
+                if attempt == 2 or "address already in use" not in self.log_path.read_text(errors="replace"):
+                    raise
+                self._choose_port()
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
