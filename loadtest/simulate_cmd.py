@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--profile", default=DEFAULT_PROFILE, help="simulator profile name or .toml path")
     p.add_argument("--gpus-per-replica", type=int, default=None, help="default: the profile's tp_size")
+    p.add_argument("--kv-scale", type=float, default=1.0,
+                   help="scale the replicas' KV pools (device and host tokens), as `bench peers` does")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"policy or comma-separated policies ('all': {','.join(POLICY_NAMES)})")
     p.add_argument("--policy-params", default=None,
@@ -47,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="closed loop: sessions active at once (default 64)")
     pace.add_argument("--session-rate", type=float, default=None, help="session starts per simulated second")
     p.add_argument("--limit-sessions", type=int, default=None)
+    p.add_argument("--skip-sessions", type=int, default=0,
+                   help="drop the trace's first N sessions (another slice of the same trace)")
     p.add_argument("--think-scale", type=float, default=1.0, help="multiply think times")
     p.add_argument("--max-think-s", type=float, default=None, help="cap one think time (simulated s)")
     p.add_argument("--ramp-s", type=float, default=0.0, help="closed loop: first sessions start over this")
@@ -70,7 +74,11 @@ def load_workload(args: argparse.Namespace) -> Workload:
         return generate(params, seed=args.seed)
     from loadtest import traces
 
-    return traces.load([Path(t) for t in args.trace], args.format, args.limit_sessions)
+    limit = None if args.limit_sessions is None else args.skip_sessions + args.limit_sessions
+    workload = traces.load([Path(t) for t in args.trace], args.format, limit)
+    if args.skip_sessions <= 0:
+        return workload
+    return Workload(workload.name, workload.sessions[args.skip_sessions:], workload.open_loop)
 
 
 def policy_names(spec: str) -> list[str]:
@@ -85,6 +93,11 @@ def make_config(args: argparse.Namespace) -> SimConfig:
     profile = load_profile(args.profile)
     if args.context_length is not None:
         profile = profile.replace(context_length=args.context_length)
+    if args.kv_scale != 1.0:
+        profile = profile.replace(
+            name=f"{profile.name}-kv{args.kv_scale:g}",
+            device_tokens=max(1, int(profile.device_tokens * args.kv_scale)),
+            host_tokens=max(1, int(profile.host_tokens * args.kv_scale)))
     pacing = Pacing(
         sessions_concurrent=None if args.session_rate else (args.sessions_concurrent or 64),
         session_rate=args.session_rate, think_scale=args.think_scale, max_think_s=args.max_think_s,
@@ -99,6 +112,7 @@ def make_config(args: argparse.Namespace) -> SimConfig:
 
 def config_dict(args: argparse.Namespace, cfg: SimConfig, workload: Workload) -> dict[str, Any]:
     return {"trace": args.trace, "format": workload.name, "sessions": len(workload.sessions),
+            "skip_sessions": args.skip_sessions, "kv_scale": args.kv_scale,
             "trace_requests": workload.request_count(), "profile": cfg.profile.name,
             "context_length": cfg.profile.context_length, "replicas": cfg.replicas,
             "gpus_per_replica": cfg.gpus_per_replica, "pacing": dataclasses.asdict(cfg.pacing),

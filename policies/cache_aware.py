@@ -12,16 +12,22 @@ that: an alternative replica pays the uncached prefill of the whole prompt. Thre
 rules (SGLang's "match rate > 0.3") pile sessions onto one replica; a linear cost in
 blocks (Dynamo's) moves long sessions too eagerly.
 
-Two terms make moves rarer than the bare TTFT comparison, and their defaults come from
-a virtual-time replay of 48-64 Claude Code sessions on 4 simulated replicas (3 seeds
-each, kimi-k2.6-b200-tp8 profile): ``queue_externality`` (0.5) charges a recompute for
-the delay it adds to requests queued behind it, and ``move_margin_s`` (1.0 s) is
-hysteresis against flapping and stale load figures. With a bare comparison (margin
-0.25 s, no externality) sessions moved ~65 times per 1,300 requests and mean TTFT was
-~10% worse under cache pressure; with a 3 s margin sessions stayed on a replica with
-a 4x slower prefill and p90 TTFT was ~25% worse. A 100k-token session now moves when
-its home queue exceeds about 2.5 s x 1.5 + 1 s = 4.75 s (at 40k tokens/s); a
-4k-token session when it exceeds about 1.15 s.
+Three terms make moves rarer than the bare TTFT comparison: ``queue_externality`` (0.5)
+charges a recompute for the delay it adds to requests queued behind it,
+``abandon_weight`` (1.0) charges a move once more for the KV it leaves behind, and
+``move_margin_s`` (2.0 s) is hysteresis against flapping and stale load figures. A
+100k-token session now moves when its home queue exceeds about 2.5 s x 2.5 + 2 s =
+8.25 s (at 40k tokens/s); a 4k-token session when it exceeds about 2.2 s.
+
+How the defaults were chosen (docs/benchmarks.md, "Moves"): a virtual-time replay of
+the bench-peers setting (8 replicas of kimi-k2.6-b200-tp8 with KV pools x0.25, 128
+Claude Code sessions in three disjoint slices, 32/64/128 concurrent and think times
+x0.1, with and without a 60 s ramp). Every hit-rate point cache-aware lost to the
+oracle came from moved turns (a move recomputes the session and evicts others); with
+margin 1.0 and no abandon charge, 128 concurrent sessions moved ~50 times per 2,000
+requests and lost 1.8 points; with these defaults ~26 moves, 0.7 points, and no
+worse TTFT. ``crowd_weight`` (0.1 per s) sends long prefills to replicas with fewer
+live sessions (see `policies.ttft_cost`).
 
 The *eviction* term accounts for the resident working set: KV of live sessions between
 turns (``inputs.resident_tokens``). Tokens that would not fit in ``device_tokens +
@@ -52,7 +58,14 @@ from policies.config import parse_params, parse_weights
 from policies.filters import is_new_session, standard_filters
 from policies.framework import Explanation, Pipeline
 from policies.pickers import MaxScorePicker
-from policies.ttft_cost import CacheAwareParams, TtftEstimate, estimate, home_replica, score_floor_s
+from policies.ttft_cost import (
+    CacheAwareParams,
+    TtftEstimate,
+    estimate,
+    home_replica,
+    resident_fraction,
+    score_floor_s,
+)
 from prefix_index.base import ReplicaId
 from replicas.model import ReplicaView
 
@@ -99,9 +112,7 @@ class NewSessionScorer:
             if inputs.now_s - c.added_at_s <= self.params.new_replica_window_s:
                 out[c.id] = 1.0
                 continue
-            capacity = c.device_tokens + c.host_tokens
-            fraction = inputs.resident_tokens.get(c.id, 0) / capacity if capacity > 0 else 0.0
-            out[c.id] = 0.5 * (1.0 - min(max(fraction, 0.0), 1.0))
+            out[c.id] = 0.5 * (1.0 - resident_fraction(inputs, c, cap=1.0))
         return out
 
 

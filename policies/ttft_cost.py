@@ -12,14 +12,25 @@ seconds (see `policies/cache_aware.py` for why this rule, and README.md for para
                      reported_running + reported_waiting))
     eviction     = marginal overflow of the resident working set
                    / prefill_tokens_per_s * eviction_weight
-    externality  = uncached / prefill_tokens_per_s * queue_externality
-    affinity     = move_margin_s on every replica but the session's own
+    externality  = uncached_s * (queue_externality + crowd_weight * crowd * uncached_s)
+                   (uncached_s = uncached / prefill_tokens_per_s; crowd = the replica's
+                   resident working set / its KV capacity, at most 1.5)
+    affinity     = on every replica but the session's own: move_margin_s
+                   + abandon_weight * (cached at home - cached here) / prefill_tokens_per_s
 
 Matched tokens come from the prefix index (``inputs.matches``, device and host tiers,
 times ``ctx.block_tokens``). The gateway's own pending work and the replica's reported
 queue overlap (both contain requests the gateway sent), so the queue takes their max.
 *Externality*: a prefill delays every request queued behind it on that replica; a move
 turns a small cached prefill into a full recompute, so it is charged for that delay too.
+The *crowd* part grows with the square of the prefill: a 260k-token first turn holds a
+replica for ~6.5 s (SGLang finishes a chunked prefill before admitting the next
+request), and the sessions living there that send a turn meanwhile wait behind it, so
+long prefills go to replicas with fewer live sessions.
+*Abandon*: a move leaves the session's KV behind (a copy that only ages out of the old
+replica's LRU) and recomputes it; charging that recompute once more makes moving a long
+session much rarer than moving a short one (losing a long session's KV is what costs
+hit rate).
 """
 
 from __future__ import annotations
@@ -40,7 +51,9 @@ class CacheAwareParams:
     saturation_penalty_s: float = 0.5  # wait per request beyond max_running_requests
     eviction_weight: float = 1.0  # how much a future recompute of evicted KV counts
     queue_externality: float = 0.5  # the delay this prefill adds to requests queued behind it
-    move_margin_s: float = 1.0  # hysteresis: leave the session's replica only if this much better
+    move_margin_s: float = 2.0  # hysteresis: leave the session's replica only if this much better
+    crowd_weight: float = 0.1  # per s: a long prefill delays the sessions living on its replica
+    abandon_weight: float = 1.0  # a move also pays this x the recompute of the KV it leaves behind
     tie_tolerance: float = 0.05  # relative: costs within 5% of the best are ties
     tie_tolerance_s: float = 0.02  # absolute: ... or within 20 ms
     new_replica_window_s: float = 300.0  # a replica is NEW this long after joining
@@ -122,10 +135,45 @@ def _eviction_s(
         if inputs.session is not None and inputs.session.replica == view.id
         else 0
     )
-    base = max(inputs.resident_tokens.get(view.id, 0) - own, 0)
-    need = base + ctx.est_prompt_tokens + (ctx.max_tokens or 0)
-    overflow = max(need - capacity, 0) - max(base - capacity, 0)
+    before = inputs.resident_tokens.get(view.id, 0)
+    need = max(before - own, 0) + ctx.est_prompt_tokens + (ctx.max_tokens or 0)
+    overflow = max(max(need - capacity, 0) - max(before - capacity, 0), 0)
     return overflow / p.prefill_tokens_per_s * p.eviction_weight
+
+
+def resident_fraction(inputs: RoutingInputs, view: ReplicaView, cap: float = 1.5) -> float:
+    """The replica's resident working set over its KV capacity (device + host), in [0, cap]."""
+    capacity = view.device_tokens + view.host_tokens
+    if capacity <= 0:
+        return 0.0
+    return min(max(inputs.resident_tokens.get(view.id, 0) / capacity, 0.0), cap)
+
+
+def _externality_s(
+    uncached: int, inputs: RoutingInputs, view: ReplicaView, p: CacheAwareParams
+) -> float:
+    prefill_s = uncached / p.prefill_tokens_per_s
+    crowd = resident_fraction(inputs, view)
+    return prefill_s * (p.queue_externality + p.crowd_weight * crowd * prefill_s)
+
+
+def _cached_tokens(ctx: RequestContext, inputs: RoutingInputs, replica: ReplicaId) -> int:
+    match = inputs.matches.get(replica, PrefixMatch())
+    cached = (match.device_blocks + match.host_blocks) * ctx.block_tokens
+    return min(cached, max(ctx.est_prompt_tokens, 0))
+
+
+def _affinity_s(
+    ctx: RequestContext,
+    inputs: RoutingInputs,
+    view: ReplicaView,
+    home: ReplicaId | None,
+    p: CacheAwareParams,
+) -> float:
+    if home is None or view.id == home:
+        return 0.0
+    abandoned = _cached_tokens(ctx, inputs, home) - _cached_tokens(ctx, inputs, view.id)
+    return p.move_margin_s + p.abandon_weight * max(abandoned, 0) / p.prefill_tokens_per_s
 
 
 def estimate(
@@ -152,8 +200,8 @@ def estimate(
         queue_s=waiting / p.prefill_tokens_per_s,
         interference_s=_interference_s(view, p),
         eviction_s=_eviction_s(ctx, inputs, view, p),
-        affinity_s=p.move_margin_s if home is not None and view.id != home else 0.0,
-        externality_s=uncached / p.prefill_tokens_per_s * p.queue_externality,
+        affinity_s=_affinity_s(ctx, inputs, view, home, p),
+        externality_s=_externality_s(uncached, inputs, view, p),
     )
 
 

@@ -68,10 +68,11 @@ def test_shared_system_prompt_does_not_pile_onto_one_replica() -> None:
     ("prompt", "queue_tokens", "moves"),
     [
         (100_000, 40_000, False),  # 1 s queue < 2.5 s recompute: stay
-        (100_000, 160_000, False),  # 4 s queue < recompute x 1.5 (externality) + 1 s margin
-        (100_000, 240_000, True),  # 6 s queue > 4.75 s: move
+        # 6 s queue < recompute x 1.5 (externality) + abandoned 99k (2.5 s) + 2 s margin
+        (100_000, 240_000, False),
+        (100_000, 360_000, True),  # 9 s queue > ~8.2 s: move
         (4_000, 2_000, False),  # small queue: stay
-        (4_000, 60_000, True),  # a 1.5 s queue costs more than recomputing 4k tokens + margin
+        (4_000, 120_000, True),  # a 3 s queue costs more than moving 4k tokens (~2.2 s)
     ],
 )
 def test_session_moves_only_when_queue_exceeds_recompute(
@@ -213,3 +214,49 @@ def test_same_seed_same_decisions() -> None:
         ]
 
     assert run(11) == run(11)
+
+
+def test_overfull_home_charges_only_the_sessions_growth() -> None:
+    """A session's previous turn is already resident at home: only its growth can evict."""
+    p = CacheAwareParams()
+    views = [view(0), view(1)]
+    session = SessionEntry(rid(0), 90_000, NOW - 5)
+    snap = inputs(
+        views,
+        matches={rid(0): held(90_000)},
+        session=session,
+        resident={rid(0): 600_000, rid(1): 600_000},  # both over their 500k capacity
+    )
+    c = ctx(100_000, session="s", max_tokens=0)
+    home = estimate(c, snap, views[0], rid(0), p)
+    away = estimate(c, snap, views[1], rid(0), p)
+    assert home.eviction_s == pytest.approx(10_000 / p.prefill_tokens_per_s)
+    assert away.eviction_s == pytest.approx(100_000 / p.prefill_tokens_per_s)
+
+
+@pytest.mark.parametrize(("prompt", "moves"), [(8_000, True), (120_000, False)])
+def test_abandoned_kv_makes_long_sessions_stickier(prompt: int, moves: bool) -> None:
+    """The same 5 s queue at home moves a short session but not a long one."""
+    policy = make_policy("cache-aware", seed=2)
+    views = [view(0, pending_prefill_tokens=200_000), view(1), view(2)]
+    snap = inputs(
+        views,
+        matches={rid(0): held(prompt - 1_000)},
+        session=SessionEntry(rid(0), prompt - 1_000, NOW - 5),
+    )
+    d = policy.decide(ctx(prompt, session="s"), snap, random.Random(2))
+    assert (d.replica != rid(0)) is moves
+
+
+def test_long_first_turn_goes_where_fewer_sessions_live() -> None:
+    """A 240k-token first turn blocks its replica for ~6 s: put it on the least crowded one."""
+    policy = make_policy("cache-aware", seed=3)
+    views = [view(i) for i in range(3)]
+    resident = {rid(0): 450_000, rid(1): 100_000, rid(2): 300_000}
+    snap = inputs(views, resident=resident)
+    d = policy.decide(ctx(240_000, session="new", max_tokens=0), snap, random.Random(3))
+    assert d.replica == rid(1)
+    p = CacheAwareParams()
+    crowded = estimate(ctx(240_000, max_tokens=0), snap, views[0], None, p)
+    quiet = estimate(ctx(240_000, max_tokens=0), snap, views[1], None, p)
+    assert crowded.externality_s > quiet.externality_s
