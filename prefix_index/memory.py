@@ -12,6 +12,21 @@ Layout
   dict lookup and a few integer operations per block, whatever the number of replicas.
   Host blocks are counted over runs of equal host masks (the mask changes rarely along a
   chain), not per block and replica.
+- ``record`` and ``_rebalance`` do their per-block work in C loops (``map``/``filter``/
+  ``update`` over the chain or over an ``islice`` of the oldest blocks of a tier): the
+  chain's new blocks are inserted, then the whole chain is moved to the MRU end in order
+  (``move_to_end``). The orders and bits are exactly those of one ``move_to_end`` /
+  ``popitem`` per block (``tests/prefix_index/test_memory_speed_equivalence.py`` checks it
+  against that per-block model, chains repeating a block included).
+
+- ``assume_chains=True`` (the fleet simulator, whose hashes are chains) relies on the
+  contract's chain property: along a chain a replica's held blocks are a prefix, and so
+  are its device blocks (``record`` makes a parent more recent than its child and
+  eviction takes the least recent first), so ``match`` and ``record`` binary-search them
+  (~log2(n) lookups per replica instead of one per block). Only ``truncate`` can leave a
+  held block whose parent is gone: its removed blocks are the replica's ``gaps``, and a
+  replica with gaps is walked block by block until recording them again fills them.
+  The answers are those of the walk (checked by the same test file).
 
 The Redis backend implements the same model (one sorted set per replica scored by a
 logical clock), so both pass one contract suite.
@@ -19,9 +34,12 @@ logical clock), so both pass one contract suite.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from bisect import bisect_left
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, filterfalse, islice, repeat
+from operator import not_
 
 from prefix_index.base import (
     BlockHash,
@@ -31,6 +49,7 @@ from prefix_index.base import (
     ReplicaId,
     SessionEntry,
 )
+from prefix_index.session_table import SessionTable
 
 DEFAULT_CAPACITY = ReplicaCapacity(device_blocks=16384, host_blocks=0)
 """Used until ``set_capacity``: 16,384 blocks x 64 tokens = 1M tokens of device KV, a
@@ -43,6 +62,7 @@ class _Replica:
     capacity: ReplicaCapacity
     device: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
     host: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
+    gaps: set[BlockHash] = field(default_factory=set)  # truncated, not recorded since
 
     @property
     def present_bit(self) -> int:
@@ -59,54 +79,10 @@ def _slots(mask: int) -> list[int]:
     return out
 
 
-class SessionTable:
-    """Session key -> last routing, expiring ``ttl_s`` after it was set (by ``clock``)."""
-
-    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
-        self._ttl_s = ttl_s
-        self._clock = clock
-        self._entries: dict[str, tuple[SessionEntry, float]] = {}
-
-    def get(self, key: str) -> SessionEntry | None:
-        item = self._entries.get(key)
-        if item is None:
-            return None
-        if item[1] <= self._clock():
-            del self._entries[key]
-            return None
-        return item[0]
-
-    def set(self, key: str, entry: SessionEntry) -> None:
-        self._entries.pop(key, None)  # re-insert: the dict stays ordered by expiry
-        self._entries[key] = (entry, self._clock() + self._ttl_s)
-
-    def prune(self) -> None:
-        """Drop expired entries; the dict is ordered by expiry, so stop at the first live one."""
-        now = self._clock()
-        expired: list[str] = []
-        for key, (_, exp) in self._entries.items():
-            if exp > now:
-                break
-            expired.append(key)
-        for key in expired:
-            del self._entries[key]
-
-    def resident(self, now_s: float, window_s: float) -> dict[ReplicaId, int]:
-        self.prune()
-        since = now_s - window_s
-        out: dict[ReplicaId, int] = {}
-        for entry, _ in self._entries.values():
-            if entry.last_seen_s >= since:
-                out[entry.replica] = out.get(entry.replica, 0) + entry.tokens
-        return out
-
-    def drop_replica(self, replica: ReplicaId) -> None:
-        for key in [k for k, (e, _) in self._entries.items() if e.replica == replica]:
-            del self._entries[key]
-
-    def __len__(self) -> int:
-        self.prune()
-        return len(self._entries)
+def _run(hashes: Sequence[BlockHash], lo: int, hi: int, present: Callable[[BlockHash], bool]) -> int:
+    """Length of the leading run of ``hashes[:hi]`` (at least ``lo`` long) satisfying a
+    prefix-closed predicate: a binary search for the first block without it."""
+    return bisect_left(hashes, True, lo, hi, key=lambda h: not present(h))
 
 
 class MemoryPrefixIndex:
@@ -117,8 +93,10 @@ class MemoryPrefixIndex:
         session_ttl_s: float = 3600.0,
         default_capacity: ReplicaCapacity = DEFAULT_CAPACITY,
         clock: Callable[[], float] = time.monotonic,
+        assume_chains: bool = False,
     ) -> None:
         self._default = default_capacity
+        self._chains = assume_chains
         self._owners: dict[BlockHash, int] = {}
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._free_slots: list[int] = []
@@ -131,6 +109,25 @@ class MemoryPrefixIndex:
     def match_now(self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
         """Synchronous ``match`` (the embedded backend never waits)."""
         by_slot = {st.slot: rid for rid in replicas if (st := self._replicas.get(rid)) is not None}
+        searched = {s: rid for s, rid in by_slot.items() if self._chains and not self._replicas[rid].gaps}
+        walked = {s: rid for s, rid in by_slot.items() if s not in searched}
+        out = {rid: PrefixMatch() for rid in replicas}
+        out.update(self._walk(hashes, walked) if walked else {})
+        for s, rid in searched.items():
+            out[rid] = self._search(hashes, s)
+        return out
+
+    def _search(self, hashes: Sequence[BlockHash], slot: int) -> PrefixMatch:
+        """A gap-free replica's match on a chain: held and device blocks are prefixes."""
+        get = self._owners.get
+        pbit = 1 << (2 * slot)
+        both = pbit | pbit << 1
+        held = _run(hashes, 0, len(hashes), lambda h: bool(get(h, 0) & pbit))
+        device = _run(hashes, 0, held, lambda h: get(h, 0) & both == pbit)
+        return PrefixMatch(device_blocks=device, host_blocks=held - device)
+
+    def _walk(self, hashes: Sequence[BlockHash], by_slot: dict[int, ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
+        """Match by walking the chain once for the replicas in ``by_slot`` (any hash list)."""
         alive = sum(1 << (2 * s) for s in by_slot)
         lengths: dict[int, int] = {}
         runs: list[tuple[int, int]] = []  # (host mask, first block index of the run)
@@ -154,7 +151,7 @@ class MemoryPrefixIndex:
         for s in _slots(alive):
             lengths[s] = k
         host = self._host_counts(runs, k)
-        out = {rid: PrefixMatch() for rid in replicas}
+        out: dict[ReplicaId, PrefixMatch] = {}
         for s, n in lengths.items():
             if n:
                 out[by_slot[s]] = PrefixMatch(device_blocks=n - host.get(s, 0), host_blocks=host.get(s, 0))
@@ -196,18 +193,26 @@ class MemoryPrefixIndex:
 
     def record_now(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
         st = self._replica(replica)
+        chain = hashes[::-1]  # block 0 last: most recent
         owners, device, host = self._owners, st.device, st.host
         pbit = st.present_bit
         hbit = pbit << 1
-        for h in reversed(hashes):
-            if h in device:
-                device.move_to_end(h)
-                continue
-            if host.pop(h, 0) is None:  # was in host: promote
-                owners[h] &= ~hbit
-            else:
-                owners[h] = owners.get(h, 0) | pbit
-            device[h] = None
+        absent: Sequence[BlockHash]
+        if self._chains and not st.gaps:  # device blocks, then host ones, are prefixes
+            d = _run(hashes, 0, len(hashes), device.__contains__)
+            c = _run(hashes, d, len(hashes), host.__contains__)
+            absent, promoted, fresh = hashes[d:], hashes[d:c], hashes[c:]
+        else:
+            absent = list(filterfalse(device.__contains__, chain))
+            promoted = list(filter(host.__contains__, absent))
+            fresh = list(filterfalse(host.__contains__, absent)) if promoted else absent
+            if st.gaps:  # recorded again: no longer missing
+                st.gaps.difference_update(hashes)
+        deque(map(host.pop, promoted, repeat(None)), maxlen=0)  # a repeated block
+        owners.update(zip(promoted, map((~hbit).__and__, map(owners.__getitem__, promoted))))
+        owners.update(zip(fresh, map(pbit.__or__, map(owners.get, fresh, repeat(0)))))
+        device.update(zip(absent, repeat(None)))
+        deque(map(device.move_to_end, chain), maxlen=0)  # the chain to the end, in its order
         self._rebalance(st)
 
     async def truncate(self, replica: ReplicaId, hashes: Sequence[BlockHash], keep_blocks: int) -> None:
@@ -217,6 +222,8 @@ class MemoryPrefixIndex:
         for h in hashes[max(keep_blocks, 0):]:
             if st.device.pop(h, 0) is None or st.host.pop(h, 0) is None:
                 self._clear(h, st.present_bit)
+                if self._chains:  # its descendants on other chains may stay: a gap
+                    st.gaps.add(h)
         self._rebalance(st)
 
     async def set_capacity(self, replica: ReplicaId, capacity: ReplicaCapacity) -> None:
@@ -259,15 +266,20 @@ class MemoryPrefixIndex:
         pbit = st.present_bit
         hbit = pbit << 1
         dcap, hcap = max(st.capacity.device_blocks, 0), max(st.capacity.host_blocks, 0)
-        while len(device) > dcap:  # demote device LRU -> host MRU
-            h, _ = device.popitem(last=False)
-            host[h] = None
-            owners[h] |= hbit
+        if len(device) > dcap:  # demote the device LRU blocks -> host MRU, oldest first
+            moved = list(islice(device, len(device) - dcap))
+            deque(map(device.pop, moved), maxlen=0)
+            host.update(zip(moved, repeat(None)))
+            owners.update(zip(moved, map(hbit.__or__, map(owners.__getitem__, moved))))
         while len(device) < dcap and host:  # room on device: the host MRU moves up
             h, _ = host.popitem(last=True)
             device[h] = None
             device.move_to_end(h, last=False)
             owners[h] &= ~hbit
-        while len(host) > hcap:
-            h, _ = host.popitem(last=False)
-            self._clear(h, pbit)
+        if len(host) > hcap:  # drop the host LRU blocks
+            dropped = list(islice(host, len(host) - hcap))
+            deque(map(host.pop, dropped), maxlen=0)
+            keep = ~(pbit | hbit)
+            left = list(map(keep.__and__, map(owners.get, dropped, repeat(0))))
+            owners.update(zip(dropped, left))
+            deque(map(owners.pop, compress(dropped, map(not_, left))), maxlen=0)

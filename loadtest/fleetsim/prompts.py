@@ -20,12 +20,19 @@ built *incrementally* from the previous turn's (turns are delta-encoded in
   block value) and a proportional fresh tail; ratios of matched to total characters are
   those of the real text, absolute sizes are ``TEXT_CHARS_PER_BLOCK / (4 * block_size)``
   of it (the runner scales that policy's character budget by the same factor).
+- **engine page hashes** (`SessionPrompt.page_hashes`): what the simulated engine would
+  compute from the prompt's token ids (``kvcache.page_hashes``), kept per session for the
+  block tokens (a turn hashes only the pages past what it shares with the previous
+  turn's) plus the pages of the fresh tail: the same values, without rehashing the
+  whole prompt every turn.
 """
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
+
+from loadtest.simulator.kvcache import ROOT_SEED, page_hashes
 
 TokenIds = npt.NDArray[np.uint32]
 VOCAB = 160_000  # token ids stay below a realistic vocabulary size
@@ -96,7 +103,8 @@ def block_text(values: list[int]) -> str:
 class SessionPrompt:
     """One conversation's prompt state, advanced turn by turn (see the module docstring)."""
 
-    __slots__ = ("block_size", "hashes", "key", "max_blocks", "ns_seed", "text", "tokens", "want_text")
+    __slots__ = ("block_size", "hashes", "key", "max_blocks", "ns_seed", "pages", "text", "tokens",
+                 "want_text")
 
     def __init__(self, namespace: str, session_id: str, block_size: int, max_blocks: int,
                  want_text: bool) -> None:
@@ -107,6 +115,7 @@ class SessionPrompt:
         self.want_text = want_text
         self.hashes: list[int] = []
         self.tokens: TokenIds = np.empty(0, dtype=np.uint32)
+        self.pages: tuple[int, list[int]] = (0, [])  # (page size, page hashes of tokens' first pages)
         self.text = ""
 
     def advance(self, shared_blocks: int, new_ids: tuple[int, ...]) -> None:
@@ -116,6 +125,9 @@ class SessionPrompt:
         del self.hashes[shared_blocks:]
         self.hashes.extend(new)
         kept = self.tokens[: shared_blocks * bs]
+        page_size, pages = self.pages
+        if page_size:
+            del pages[len(kept) // page_size :]
         self.tokens = np.concatenate((kept, block_tokens(new, bs))) if new else kept
         if self.want_text:
             self.text = self.text[: shared_blocks * TEXT_CHARS_PER_BLOCK] + block_text(new)
@@ -127,6 +139,21 @@ class SessionPrompt:
             return self.tokens[: max(in_tokens, 1)]
         tail = fresh_tokens(self.key ^ (turn + 1) * 0x9E3779B1, in_tokens - full)
         return np.concatenate((self.tokens, tail))
+
+    def page_hashes(self, prompt: TokenIds, page_size: int) -> list[int]:
+        """``kvcache.page_hashes(prompt, page_size)`` for a prompt from `prompt_ids`."""
+        if self.pages[0] != page_size:
+            self.pages = (page_size, [])
+        pages = self.pages[1]
+        common = min(len(prompt), len(self.tokens)) // page_size  # pages the prompt shares
+        if len(pages) < common:
+            parent = pages[-1] if pages else ROOT_SEED
+            pages += page_hashes(self.tokens[len(pages) * page_size : common * page_size], page_size, parent)
+        out = pages[:common]
+        rest = prompt[common * page_size :]
+        if len(rest) >= page_size:
+            out += page_hashes(rest, page_size, out[-1] if out else ROOT_SEED)
+        return out
 
     def block_hashes(self) -> tuple[int, ...]:
         """The gateway's block hashes (capped at ``max_blocks``)."""

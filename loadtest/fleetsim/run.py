@@ -101,8 +101,10 @@ class FleetRun:
         prof = cfg.profile
         self.engines = [ReplicaEngine(prof, seed=cfg.seed + i) for i in range(cfg.replicas)]
         self.fleet = VirtualFleet(self.engines)
-        # the index's session clock is the virtual clock
-        self.index = MemoryPrefixIndex(session_ttl_s=IndexConfig().session_ttl_s, clock=self._now)
+        # the index's session clock is the virtual clock; block hashes are chains (the traces'
+        # hash ids are: equal id = equal prefix), so the index may binary-search them
+        self.index = MemoryPrefixIndex(session_ttl_s=IndexConfig().session_ttl_s, clock=self._now,
+                                       assume_chains=True)
         block = workload.sessions[0].block_size if workload.sessions else 64
         self.want_text = policy_name in POLICIES_NEEDING_ROUTING_TEXT
         self.policy = make_policy(policy_name, self._params(policy_name, block), cfg.seed)
@@ -160,8 +162,9 @@ class FleetRun:
         hashes = prompt.hashes
         matched = self.oracle.match_blocks(hashes)
         rec.oracle_cached = min(matched * session.block_size, t.in_tokens)
-        req = SimRequest(ctx.request_id, prompt.prompt_ids(t.in_tokens, turn), t.out_tokens,
-                         ignore_eos=True, seed=self.cfg.seed, stream="first")
+        ids = prompt.prompt_ids(t.in_tokens, turn)
+        req = SimRequest(ctx.request_id, ids, t.out_tokens, ignore_eos=True, seed=self.cfg.seed,
+                         stream="first", page_hashes=prompt.page_hashes(ids, self.cfg.profile.page_size))
         self.fleet.submit(slot, req, _InFlight(self, rec, ctx, decision, lease, on_done))
         if not rec.rejected:
             self.oracle.record(hashes, matched)

@@ -64,6 +64,9 @@ class SimRequest:
     # True: on_tokens for every emission; "first": for the first token only (time to
     # first token, virtual-time load tests); False: never (results only)
     stream: bool | Literal["first"] = True
+    # the prompt's page hashes when the caller already has them (it must pass exactly
+    # ``kvcache.page_hashes(prompt_ids, page_size)``); None: the engine hashes the prompt
+    page_hashes: list[int] | None = None
 
 
 @dataclass
@@ -274,7 +277,7 @@ class ReplicaEngine:
             req,
             listener,
             now_s,
-            self.cache.hashes(req.prompt_ids),
+            self.cache.hashes(req.prompt_ids) if req.page_hashes is None else req.page_hashes,
             key,
             max(out_len, 1),
             reason,

@@ -40,9 +40,11 @@ The index costs ~140 bytes per page (measured by ``loadtest/bench_simulator_memo
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import eq
 from typing import Any
 
 import numpy as np
@@ -95,15 +97,9 @@ def page_hashes(ids: npt.NDArray[Any], page_size: int, parent: int = ROOT_SEED) 
 def _prefix_run(
     hashes: Sequence[int], limit: int, present: Callable[[int], bool], start: int = 0
 ) -> int:
-    """Length of the leading run of ``hashes[:limit]`` satisfying a prefix-closed predicate."""
-    lo, hi = start, limit  # hashes[:lo] satisfy it; the answer is <= hi
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if present(hashes[mid - 1]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Length of the leading run of ``hashes[:limit]`` satisfying a prefix-closed predicate
+    (a binary search for the first hash without it)."""
+    return bisect_left(hashes, True, start, limit, key=lambda h: not present(h))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -157,25 +153,31 @@ class _Pool:
         self._cursor, self._queued = 0, len(order)
 
     def pop_oldest(self, count: int) -> tuple[list[int], list[int]]:
-        """Remove up to ``count`` oldest unpinned pages: (pages, their stamps)."""
+        """Remove up to ``count`` oldest unpinned pages: (pages, their stamps).
+
+        Reads the FIFO in slices of exactly the number still wanted (a slice holds at most
+        that many live entries, so nothing is over-read), each checked by C loops. A page
+        has at most one live entry (stamps are unique), so the slice's live entries can be
+        found before any of them is removed.
+        """
         out_pages: list[int] = []
         out_stamps: list[int] = []
         current, chunks = self.stamps, self._chunks
         while len(out_pages) < count and chunks:
             pages, stamps = chunks[0]
             i = self._cursor
-            while i < len(pages) and len(out_pages) < count:
-                h, stamp = pages[i], stamps[i]
-                i += 1
-                if current.get(h) == stamp:
-                    del current[h]
-                    out_pages.append(h)
-                    out_stamps.append(stamp)
-            self._queued -= i - self._cursor
-            if i == len(pages):
+            stop = min(len(pages), i + count - len(out_pages))
+            seg_pages, seg_stamps = pages[i:stop], stamps[i:stop]
+            live = list(map(eq, map(current.get, seg_pages), seg_stamps))
+            found = list(itertools.compress(seg_pages, live))
+            deque(map(current.__delitem__, found), maxlen=0)
+            out_pages += found
+            out_stamps += itertools.compress(seg_stamps, live)
+            self._queued -= stop - i
+            if stop == len(pages):
                 chunks.popleft()
-                i = 0
-            self._cursor = i
+                stop = 0
+            self._cursor = stop
         return out_pages, out_stamps
 
     def clear(self) -> None:
