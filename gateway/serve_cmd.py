@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     log.info("effective config: %s", json.dumps(settings.redacted_dump(), sort_keys=True))
     options: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
-                                   access_log=False, timeout_graceful_shutdown=30, **server_options())
+                                   access_log=False, timeout_graceful_shutdown=30,
+                                   timeout_keep_alive=settings.keep_alive_timeout_s, **server_options())
     workers = getattr(args, "workers", 1) or 1
     if workers > 1:
         if not settings.index.redis_url:

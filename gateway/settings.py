@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=1024, ge=1, description="upstream connection pool size (all replicas), keep-alive"
     )
+    keep_alive_timeout_s: float = Field(
+        default=75.0, gt=0,
+        description="close a client's idle keep-alive connection after this; longer than clients' "
+        "own idle expiry (httpx/openai 5 s, load balancers 60 s) so the client always closes first "
+        "and never sends a request on a connection the gateway is closing",
+    )
 
     index: IndexConfig = Field(default_factory=IndexConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
