@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The virtual-time sweep behind the cache-aware defaults (docs/benchmarks.md, "Moves"):
+# The virtual-time sweep behind the cache-aware defaults (docs/benchmarks.md, section 1.3):
 # the bench-peers setting (8 replicas, KV x0.25, think capped at 30 s, 300 simulated s)
 # on three disjoint slices of the Claude Code sessions, 32/64/128 concurrent and
 # think x0.1, without and with a 60 s ramp. One JSON per run in OUT (default

@@ -120,3 +120,15 @@ def test_synthetic_trace(tmp_path: Path) -> None:
     r = doc["results"][0]
     assert r["requests"] == 40
     assert doc["config"]["format"] == "synthetic"
+
+
+def test_skip_sessions_and_kv_scale(tmp_path: Path, traces: Path) -> None:
+    """--skip-sessions takes another slice of the trace; --kv-scale shrinks the KV pools."""
+    base = ("--trace", str(traces), "--policy", "cache-aware", "--sessions-concurrent", "3")
+    whole = simulate(tmp_path, *base, name="whole.json")
+    sliced = simulate(tmp_path, *base, "--skip-sessions", "2", "--limit-sessions", "3", name="sliced.json")
+    assert sliced["config"]["skip_sessions"] == 2 and sliced["config"]["sessions"] == 3
+    assert sliced["results"][0]["requests"] < whole["results"][0]["requests"]
+    small = simulate(tmp_path, *base, "--kv-scale", "0.3", name="small.json")
+    assert small["config"]["kv_scale"] == 0.3 and small["config"]["profile"].endswith("-kv0.3")
+    assert small["results"][0]["evicted_tokens"] > whole["results"][0]["evicted_tokens"]
