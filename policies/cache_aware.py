@@ -19,14 +19,15 @@ charges a recompute for the delay it adds to requests queued behind it,
 100k-token session now moves when its home queue exceeds about 2.5 s x 2.5 + 2 s =
 8.25 s (at 40k tokens/s); a 4k-token session when it exceeds about 2.2 s.
 
-How the defaults were chosen (docs/benchmarks.md, "Moves"): a virtual-time replay of
+How the defaults were chosen (docs/benchmarks.md, section 1.3): a virtual-time replay of
 the bench-peers setting (8 replicas of kimi-k2.6-b200-tp8 with KV pools x0.25, 128
 Claude Code sessions in three disjoint slices, 32/64/128 concurrent and think times
 x0.1, with and without a 60 s ramp). Every hit-rate point cache-aware lost to the
-oracle came from moved turns (a move recomputes the session and evicts others); with
-margin 1.0 and no abandon charge, 128 concurrent sessions moved ~50 times per 2,000
-requests and lost 1.8 points; with these defaults ~26 moves, 0.7 points, and no
-worse TTFT. ``crowd_weight`` (0.1 per s) sends long prefills to replicas with fewer
+oracle came from moved turns (a move recomputes the session and evicts others). At
+128 sessions without ramp, averaged over the three slices, margin 1.0 without the
+abandon charge moved sessions 56 times per ~2,270 requests and lost 1.4 points; these
+defaults move them 26 times and lose 0.7 (TTFT p99 moved both ways by slice).
+``crowd_weight`` (0.1 per s) sends long prefills to replicas with fewer
 live sessions (see `policies.ttft_cost`).
 
 The *eviction* term accounts for the resident working set: KV of live sessions between
