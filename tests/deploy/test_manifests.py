@@ -1,100 +1,53 @@
-"""The kustomize overlays build, and every object validates offline.
+"""The kustomize overlays build, every object validates offline, and the manifests keep
+their promises: secure admin API, network policies, graceful shutdown, site parameters.
 
-Built-in kinds are validated with ``kubernetes-validate`` (strict: unknown fields fail)
-for Kubernetes ``K8S_VERSION``. The two CRD kinds (ServiceMonitor, ScaledObject) have no
-schema there: they are validated against the minimal JSON schemas below, written from
-the CRDs' documented required fields. Any other kind fails the test.
+Validation (built-in kinds with ``kubernetes-validate``, CRDs against structural schemas)
+is in ``tests/deploy/k8s.py``.
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import jsonschema  # type: ignore[import-untyped,unused-ignore]
 import kubernetes_validate  # type: ignore[import-untyped,unused-ignore]
 import pytest
-import yaml  # type: ignore[import-untyped,unused-ignore]
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-KUBECTL = "/usr/bin/kubectl"
-K8S_VERSION = "1.34.0"
-TARGETS = ["base", "overlays/gpu-fleet", "overlays/sim-cpu"]
-_NAME = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
-CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): {
-        "type": "object", "required": ["metadata", "spec"],
-        "properties": {"metadata": _NAME, "spec": {
-            "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
-            "properties": {
-                "selector": {"type": "object"},
-                "namespaceSelector": {"type": "object"},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["port"],
-                    "properties": {"port": {"type": "string"}, "path": {"type": "string"},
-                                   "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
-            }}}},
-    ("keda.sh/v1alpha1", "ScaledObject"): {
-        "type": "object", "required": ["metadata", "spec"],
-        "properties": {"metadata": _NAME, "spec": {
-            "type": "object", "required": ["scaleTargetRef", "triggers"],
-            "properties": {
-                "scaleTargetRef": {"type": "object", "required": ["name"]},
-                "minReplicaCount": {"type": "integer", "minimum": 0},
-                "maxReplicaCount": {"type": "integer", "minimum": 1},
-                "pollingInterval": {"type": "integer"}, "cooldownPeriod": {"type": "integer"},
-                "advanced": {"type": "object"},
-                "triggers": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["type", "metadata"],
-                    "properties": {"type": {"type": "string"}, "metadata": {
-                        "type": "object", "additionalProperties": {"type": "string"}}}}},
-            }}}},
-}
-
-
-def build(target: str) -> list[dict[str, Any]]:
-    out = subprocess.run([KUBECTL, "kustomize", str(DEPLOY / target)], capture_output=True, text=True,
-                         timeout=120, check=False)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+from tests.deploy.k8s import (
+    CRD_SCHEMAS,
+    DEPLOY,
+    K8S_VERSION,
+    ROOT,
+    TARGETS,
+    Doc,
+    build,
+    build_site,
+    containers,
+    env_of,
+    find,
+    validate,
+)
 
 
 @pytest.fixture(scope="module")
-def built() -> dict[str, list[dict[str, Any]]]:
+def built() -> dict[str, list[Doc]]:
     return {t: build(t) for t in TARGETS}
 
 
-def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
-    return hits[0]
-
-
-def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
-    for d in docs:
-        if d["kind"] in ("Deployment", "StatefulSet"):
-            pod = d["spec"]["template"]["spec"]
-            for c in pod["containers"]:
-                yield f"{d['metadata']['name']}/{c['name']}", c, pod
-
-
 @pytest.mark.parametrize("target", TARGETS)
-def test_every_object_validates(built: dict[str, list[dict[str, Any]]], target: str) -> None:
+def test_every_object_validates(built: dict[str, list[Doc]], target: str) -> None:
+    kinds = set()
     for doc in built[target]:
-        key = (doc["apiVersion"], doc["kind"])
-        if key in CRD_SCHEMAS:
-            print(f"{target}: {doc['kind']}/{doc['metadata']['name']}: CRD, validated against the minimal schema")
-            jsonschema.validate(doc, CRD_SCHEMAS[key])
-        else:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-        assert doc["metadata"].get("namespace", "kvgate") == "kvgate" or doc["kind"] == "Namespace"
+        validate(doc)
+        kinds.add(doc["kind"])
+        assert doc["metadata"].get("namespace") == "kvgate" or doc["kind"] == "Namespace", doc["metadata"]
+    assert {"NetworkPolicy", "PodMonitor", "PrometheusRule", "ServiceMonitor", "ScaledObject"} <= kinds
+    assert "kvgate-params" not in {d["metadata"]["name"] for d in built[target]}  # local-config: never applied
 
 
-def test_security_probes_resources(built: dict[str, list[dict[str, Any]]]) -> None:
+def test_security_probes_resources(built: dict[str, list[Doc]]) -> None:
     for target in ("overlays/gpu-fleet", "overlays/sim-cpu"):
         for name, c, pod in containers(built[target]):
             sc = c.get("securityContext", {})
@@ -118,9 +71,17 @@ def test_validation_has_teeth() -> None:
     so = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "x"}, "spec": {"triggers": []}}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(so, CRD_SCHEMAS[("keda.sh/v1alpha1", "ScaledObject")])
+    rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "x"},
+            "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "up", "for": "ten minutes"}]}]}}
+    with pytest.raises(jsonschema.ValidationError):
+        validate(rule)
+    pm = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "x"},
+          "spec": {"selector": {}, "endpoints": [{"port": "http"}]}}  # ServiceMonitor's field name
+    with pytest.raises(jsonschema.ValidationError):
+        validate(pm)
 
 
-def test_gateway_rbac_is_minimal(built: dict[str, list[dict[str, Any]]]) -> None:
+def test_gateway_rbac_is_minimal(built: dict[str, list[Doc]]) -> None:
     role = find(built["base"], "Role", "kvgate")
     rules = {(r["apiGroups"][0], r["resources"][0]): sorted(r["verbs"]) for r in role["rules"]}
     assert rules == {("discovery.k8s.io", "endpointslices"): ["get", "list", "watch"],
@@ -134,7 +95,7 @@ def test_gateway_rbac_is_minimal(built: dict[str, list[dict[str, Any]]]) -> None
     assert find(built["base"], "PodDisruptionBudget", "kvgate")["spec"]["minAvailable"] == 1
 
 
-def test_gateway_config_matches_replica_service(built: dict[str, list[dict[str, Any]]]) -> None:
+def test_gateway_config_matches_replica_service(built: dict[str, list[Doc]]) -> None:
     from gateway.settings import load_settings
 
     settings = load_settings(DEPLOY / "base" / "kvgate.yaml")
@@ -151,7 +112,7 @@ def test_gateway_config_matches_replica_service(built: dict[str, list[dict[str, 
         assert "http" in ports
 
 
-def test_gpu_fleet_replica(built: dict[str, list[dict[str, Any]]]) -> None:
+def test_gpu_fleet_replica(built: dict[str, list[Doc]]) -> None:
     dep = find(built["overlays/gpu-fleet"], "Deployment", "sglang")
     pod = dep["spec"]["template"]["spec"]
     sglang = next(c for c in pod["containers"] if c["name"] == "sglang")
@@ -179,17 +140,25 @@ def test_gpu_fleet_replica(built: dict[str, list[dict[str, Any]]]) -> None:
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
-def test_monitoring_and_autoscaling(built: dict[str, list[dict[str, Any]]]) -> None:
+def test_monitoring_and_autoscaling(built: dict[str, list[Doc]]) -> None:
     docs = built["overlays/gpu-fleet"]
     so = find(docs, "ScaledObject", "sglang")
     assert so["spec"]["scaleTargetRef"]["name"] == "sglang"
     assert "kvgate_desired_replicas" in so["spec"]["triggers"][0]["metadata"]["query"]
     sm = find(docs, "ServiceMonitor", "kvgate")
     assert sm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvgate"}
+    public = find(docs, "Service", "kvgate")  # the ServiceMonitor scrapes the public Service's pods
+    assert sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in public["spec"]["ports"]]
+    for target in ("overlays/gpu-fleet", "overlays/sim-cpu"):  # SGLang's own /metrics, per pod
+        pm = find(built[target], "PodMonitor", "sglang")
+        pod = find(built[target], "Deployment", "sglang")["spec"]["template"]
+        assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        sglang = next(c for c in pod["spec"]["containers"] if c["name"] == "sglang")
+        assert pm["spec"]["podMetricsEndpoints"][0]["port"] in [p["name"] for p in sglang["ports"]]
     dash_cm = find(docs, "ConfigMap", "kvgate-grafana-dashboard")
     assert dash_cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(dash_cm["data"]["kvgate-dashboard.json"])
-    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
     for metric in ("kvgate_requests_total", "kvgate_route_decisions_total", "kvgate_cache_hit_ratio",
                    "kvgate_request_ttft_seconds", "kvgate_replica_in_flight", "kvgate_replica_state",
                    "kvgate_desired_replicas"):
@@ -202,3 +171,137 @@ def test_generated_sglang_args_are_current() -> None:
     out = subprocess.run([sys.executable, "-m", "gateway.cli", "sglang-args", "--check"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+ADMIN_TOKEN_FILE = "/var/run/secrets/kvgate-admin/token"
+
+
+def _mount_of(pod: Doc, container: Doc, secret: str) -> str:
+    """The directory where ``container`` mounts Secret ``secret`` (required, not optional)."""
+    vols = {v["name"]: v for v in pod["volumes"]}
+    for m in container.get("volumeMounts", []):
+        src = vols[m["name"]].get("secret")
+        if src and src["secretName"] == secret:
+            assert not src.get("optional"), "the admin token Secret is required"
+            return str(m["mountPath"])
+    raise AssertionError(f"{container['name']} does not mount Secret {secret}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_optional_secret_and_no_token_in_env(built: dict[str, list[Doc]], target: str) -> None:
+    assert '"optional": true' not in json.dumps(built[target])
+    for name, c, _pod in containers(built[target]):
+        assert not {"KVGATE_ADMIN_TOKEN", "KVGATE_ADMIN__TOKEN"} & set(env_of(c)), name
+
+
+def test_gateway_admin_listener_and_token_file(built: dict[str, list[Doc]]) -> None:
+    gw = find(built["base"], "Deployment", "kvgate")["spec"]["template"]["spec"]
+    c = gw["containers"][0]
+    env = env_of(c)
+    assert env["KVGATE_ADMIN__PORT"] == "8001"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "admin": 8001}
+    assert env["KVGATE_ADMIN__TOKEN_FILE"] == _mount_of(gw, c, "kvgate-admin") + "/token" == ADMIN_TOKEN_FILE
+    public = find(built["base"], "Service", "kvgate")
+    assert [p["targetPort"] for p in public["spec"]["ports"]] == ["http"]  # admin never public
+    admin = find(built["base"], "Service", "kvgate-admin")
+    assert admin["spec"]["clusterIP"] == "None" and admin["spec"]["publishNotReadyAddresses"] is True
+    assert [(p["port"], p["targetPort"]) for p in admin["spec"]["ports"]] == [(8001, "admin")]
+
+
+def test_gateway_shutdown_grace_fits_the_pod(built: dict[str, list[Doc]]) -> None:
+    gw = find(built["base"], "Deployment", "kvgate")["spec"]["template"]["spec"]
+    c = gw["containers"][0]
+    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    grace_s = float(env_of(c)["KVGATE_SERVER__SHUTDOWN_GRACE_S"])
+    margin_s = gw["terminationGracePeriodSeconds"] - float(pre_stop[1]) - grace_s
+    assert 5 <= margin_s <= 30, margin_s  # streams get the grace; the kubelet's SIGKILL comes after
+    assert grace_s >= 300  # a long agent stream finishes
+
+
+@pytest.mark.parametrize("target", ["overlays/gpu-fleet", "overlays/sim-cpu"])
+def test_drain_uses_admin_port_and_token_file(built: dict[str, list[Doc]], target: str) -> None:
+    dep = find(built[target], "Deployment", "sglang")
+    pod = dep["spec"]["template"]["spec"]
+    drainer = next(c for c in pod["containers"] if "kvgate drain" in json.dumps(c.get("lifecycle", {})))
+    hook = " ".join(drainer["lifecycle"]["preStop"]["exec"]["command"])
+    assert "--gateway http://kvgate-admin:8001 --all-addresses" in hook
+    token_file = _mount_of(pod, drainer, "kvgate-admin") + "/token"
+    assert f'export KVGATE_ADMIN_TOKEN="$(cat {token_file})";' in hook  # the environment, not argv
+    assert "--admin-token" not in hook
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    admin_rule = find(built[target], "NetworkPolicy", "kvgate")["spec"]["ingress"][1]
+    assert any(f.get("podSelector", {}).get("matchLabels", {}).items() <= labels.items()
+               and "namespaceSelector" not in f for f in admin_rule["from"])
+
+
+def _rules_by_port(policy: Doc) -> dict[str, list[Doc]]:
+    out: dict[str, list[Doc]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            out.setdefault(str(port["port"]), []).extend(rule["from"])
+    return out
+
+
+def _namespace_of(peer: Doc) -> str | None:
+    name = peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+    return None if name is None else str(name)
+
+
+def test_network_policies(built: dict[str, list[Doc]]) -> None:
+    docs = built["overlays/sim-cpu"]
+    pods = {name: find(docs, kind, name)["spec"]["template"] for kind, name in (
+        ("Deployment", "kvgate"), ("StatefulSet", "kvgate-redis"), ("Deployment", "sglang"))}
+    by_port = _rules_by_port(find(docs, "NetworkPolicy", "kvgate"))
+    assert set(by_port) == {"http", "admin"}
+    assert "monitoring" in [_namespace_of(f) for f in by_port["http"]]  # /metrics
+    admin_from = by_port["admin"]  # only the replica pods (drain) and the operators' namespace
+    assert [f["podSelector"]["matchLabels"] for f in admin_from if "podSelector" in f] == [
+        {"app.kubernetes.io/name": "sglang"}]
+    assert [_namespace_of(f) for f in admin_from if "namespaceSelector" in f] == ["kvgate-operators"]
+    assert _rules_by_port(find(docs, "NetworkPolicy", "kvgate-redis")) == {
+        "redis": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate"}}}]}
+    for policy, pod_name in (("kvgate", "kvgate"), ("kvgate-redis", "kvgate-redis"), ("sglang", "sglang")):
+        spec = find(docs, "NetworkPolicy", policy)["spec"]
+        pod = pods[pod_name]
+        assert spec["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), policy
+        names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        assert set(_rules_by_port({"spec": spec})) <= names, policy  # every named port exists
+
+
+SITE_IMAGES = {"ghcr.io/kvgate/kvgate": ("registry.example/kvgate", "1.2.3")}
+SITE_PARAMS = {"prometheusUrl": "http://prom.obs.svc:9090", "monitoringNamespace": "obs", "operatorNamespace": "ops"}
+
+
+@pytest.mark.parametrize("overlay", ["overlays/gpu-fleet", "overlays/sim-cpu"])
+def test_site_parameters_reach_every_object(overlay: str) -> None:
+    docs = build_site(overlay, "team-a", SITE_IMAGES, SITE_PARAMS)
+    for doc in docs:
+        validate(doc)
+        assert doc["metadata"].get("namespace") == "team-a" or doc["kind"] == "Namespace", doc["metadata"]
+    assert find(docs, "Namespace", "team-a")
+    text = json.dumps(docs)
+    for stale in ('namespace=\\"kvgate\\"', "prometheus-operated", '"kvgate-operators"', "ghcr.io/kvgate"):
+        assert stale not in text, stale
+    trigger = find(docs, "ScaledObject", "sglang")["spec"]["triggers"][0]["metadata"]
+    assert trigger["query"] == 'max(kvgate_desired_replicas{namespace="team-a"})'
+    assert trigger["serverAddress"] == "http://prom.obs.svc:9090"
+    assert sorted(re.findall(r'"kubernetes.io/metadata.name": "([^"]+)"', text)) == ["obs", "obs", "ops"]
+    assert "registry.example/kvgate:1.2.3" in {c["image"] for _n, c, _p in containers(docs)}
+    assert find(docs, "RoleBinding", "kvgate")["subjects"][0]["namespace"] == "team-a"
+
+
+def test_gateway_env_and_config_load_as_settings(built: dict[str, list[Doc]],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Deployment's KVGATE_* variables are real settings, with the values meant."""
+    from gateway.settings import load_settings
+
+    c = find(built["base"], "Deployment", "kvgate")["spec"]["template"]["spec"]["containers"][0]
+    env = {k: v for k, v in env_of(c).items() if k.startswith("KVGATE_")}
+    assert env and all(isinstance(v, str) for v in env.values())  # literal values, no secret refs
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings(DEPLOY / "base" / "kvgate.yaml")
+    assert (settings.port, settings.admin.port) == (8000, 8001)
+    assert str(settings.admin.token_file) == ADMIN_TOKEN_FILE and settings.admin.token is None
+    assert settings.server.shutdown_grace_s == float(env["KVGATE_SERVER__SHUTDOWN_GRACE_S"])
