@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         return _run_fleet(args)
     time_scale = args.time_scale if args.time_scale is not None else profile.time_scale
-    from loadtest.simulator.server import ServerConfig
+    from loadtest.simulator.config import SimServerConfig
 
-    config = ServerConfig(profile=profile, time_scale=time_scale, seed=args.seed, host=args.host,
+    config = SimServerConfig(profile=profile, time_scale=time_scale, seed=args.seed, host=args.host,
                           port=args.port, faults=faults, handle_sigterm=True)
     asyncio.run(_serve(config, args.log_level))
     return 0

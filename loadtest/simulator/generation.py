@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import Request
@@ -26,13 +26,24 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from loadtest.simulator import intake, protocol, tokenizer
+from loadtest.simulator.clock import RealtimeDriver
 from loadtest.simulator.engine import RequestResult, SimRequest
-from loadtest.simulator.faults import FaultPlan
+from loadtest.simulator.faults import FaultPlan, Faults
 from loadtest.simulator.intake import CHAT, COMPLETION, GENERATE, Job
-from loadtest.simulator.metrics import RequestSample
+from loadtest.simulator.metrics import RequestSample, SimMetrics
+from loadtest.simulator.profile import Profile
 
-if TYPE_CHECKING:
-    from loadtest.simulator.server import Replica
+
+class GenerationReplica(Protocol):
+    """What the generation routes use of the replica (``server.Replica``)."""
+
+    profile: Profile
+    driver: RealtimeDriver
+    metrics: SimMetrics
+    faults: Faults
+    in_flight: dict[str, Callable[[], None]]
+    paused: bool
+    resumed: asyncio.Event
 
 EOS_TOKEN_ID = 163586  # Kimi K2's <|im_end|>: the ``matched_stop`` of a natural stop
 Update = tuple[list[int], RequestResult | None]
@@ -84,7 +95,7 @@ def _finish(r: RequestResult) -> protocol.Finish:
 class Generation:
     """The three generation routes over one replica."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: GenerationReplica) -> None:
         self.r = replica
 
     def _limits(self) -> intake.Limits:
@@ -259,7 +270,7 @@ def _refused(r: RequestResult) -> bool:
     return r.finish_reason == "abort" and r.completion_tokens == 0
 
 
-def generation_routes(replica: Replica) -> list[Route]:
+def generation_routes(replica: GenerationReplica) -> list[Route]:
     return Generation(replica).routes()
 
 

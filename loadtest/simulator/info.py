@@ -6,8 +6,10 @@ plus the scheduler handshake fields, ``kv_events: null`` (the simulator publishe
 events), ``internal_states`` and ``version``; one extra key, ``kvgate_sim``, names the
 profile and time scale.
 
-``model_path`` is an existing local directory holding a minimal ``config.json``: peer
-routers load a tokenizer from it at registration and would otherwise try a model hub.
+``model_path`` is an existing local directory holding a minimal ``config.json`` and a
+real Hugging Face tokenizer whose counts equal the simulator's (:mod:`.hf_tokenizer`):
+peer routers and benchmark clients load a tokenizer from it and would otherwise try a
+model hub.
 
 Engine figures come from ``ReplicaEngine.snapshot()`` (an ``EngineStats``); the two
 adapters :func:`scheduler_sample` and :func:`load_entry` are the only code that reads it.
@@ -21,19 +23,34 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
+from loadtest.simulator.config import SimServerConfig
 from loadtest.simulator.engine import EngineStats
+from loadtest.simulator.hf_tokenizer import write_tokenizer
 from loadtest.simulator.metrics import SchedulerSample
 from loadtest.simulator.profile import Profile
 
-if TYPE_CHECKING:
-    from loadtest.simulator.server import ServerConfig
-
 VERSION = "0.5.23"
 ACCELERATOR = "Simulated GPU"
+GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
+# /model_info "embedding" of a generation model, as the real 0.5.23 server reports it
+# (capture_batch_sizes abbreviated)
+NOT_EMBEDDING: dict[str, Any] = {
+    "family": "none", "task": "none", "execution": "none", "attention": "none",
+    "pooling": "model_defined", "normalize": False, "postprocessor": "none",
+    "tokenizer_special_tokens": "model_default", "supports_dimensions": False,
+    "supports_token_embeddings": False, "supports_multimodal": False,
+    "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled",
+    "safe_disable_kv_cache": False, "safe_disable_radix_cache": False,
+    "safe_disable_chunked_prefill": False, "enabled": False, "matryoshka_dimensions": [],
+    "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": 4096,
+            "capture_batch_sizes": [4, 8, 12, 16, 20, 24, 28, 32]},
+    "cache": {"kv_cache_disabled": False, "radix_cache_disabled": False,
+              "chunked_prefill_disabled": False},
+}
 
 
 def model_dir(profile: Profile) -> Path:
@@ -49,9 +66,10 @@ def write_model_dir(path: Path, profile: Profile) -> None:
     tmp = path / f".config.json.{os.getpid()}"
     tmp.write_bytes(orjson.dumps(config, option=orjson.OPT_INDENT_2))
     os.replace(tmp, path / "config.json")
+    write_tokenizer(path, profile.context_length)
 
 
-def server_args(config: ServerConfig, model_path: Path) -> dict[str, Any]:
+def server_args(config: SimServerConfig, model_path: Path) -> dict[str, Any]:
     """The resolved ServerArgs subset reported by /server_info (static for the process)."""
     p = config.profile
     hicache = p.host_tokens > 0
@@ -86,17 +104,21 @@ def server_info(args: dict[str, Any], stats: EngineStats, profile: Profile,
                 started_wall_s: float) -> dict[str, Any]:
     memory = {"weight": profile.weight_gb_per_gpu, "kvcache": _kv_gb(profile),
               "startup_available": 0.0, "token_capacity": profile.device_tokens,
-              "token_capacity_swa": 0, "graph": {}}
-    state: dict[str, Any] = {**args, "world_size": profile.tp_size,
+              "token_capacity_swa": None, "graph": dict.fromkeys(GRAPH_PHASES, 0.0)}
+    state_args = {k: v for k, v in args.items() if k != "launch_command"}
+    state: dict[str, Any] = {**state_args, "world_size": profile.tp_size,
                              "effective_max_running_requests_per_dp": profile.max_running_requests,
                              "last_gen_throughput": stats.gen_throughput, "memory_usage": memory,
-                             "disaggregation_mode": "null"}
+                             "disaggregation_mode": "null", "decode_cuda_graph_bs": [],
+                             "decode_cuda_graph_memory_gb": 0.0}
     if profile.spec_algorithm and stats.spec_accept_length_avg:
         state["avg_spec_accept_length"] = stats.spec_accept_length_avg
     return {
         **args, "status": "ready", "max_total_num_tokens": profile.device_tokens,
-        "max_req_input_len": profile.context_length - 1, "hicache_object_layout": "page_first",
-        "startup_time": {"total": 0.0, "started_at": started_wall_s},
+        "max_req_input_len": profile.context_length - 1,
+        "hicache_object_layout": _object_layout(profile),
+        "startup_time": {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
+                         "cuda_graph": dict.fromkeys(GRAPH_PHASES, 0.0), "tokenizer_e2e": 0.0},
         "kv_events": None, "internal_states": [state], "version": VERSION, "frontend": "python",
     }
 
@@ -107,13 +129,23 @@ def model_info(profile: Profile, path: Path) -> dict[str, Any]:
             "weight_version": "default", "load_format": "auto", "reasoning_parser": "kimi_k2",
             "tool_call_parser": "kimi_k2", "disaggregation_mode": "null",
             "has_image_understanding": False, "has_audio_understanding": False,
-            "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+            "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+            "embedding": NOT_EMBEDDING}
 
 
 def model_card(profile: Profile, created: float) -> dict[str, Any]:
     name = profile.served_model_name
     return {"id": name, "object": "model", "created": int(created), "owned_by": "sglang",
             "root": name, "parent": None, "max_model_len": profile.context_length}
+
+
+def _object_layout(profile: Profile) -> dict[str, Any]:
+    """``hicache_object_layout`` as 0.5.23 reports it (a descriptor, not a layout name)."""
+    if profile.host_tokens > 0:
+        return {"enabled": True, "backend": None, "page_size": profile.page_size,
+                "hicache_object_layout": {"pools": []}, "reason": "Hierarchical cache is enabled"}
+    return {"enabled": False, "backend": None, "page_size": profile.page_size,
+            "hicache_object_layout": {"pools": []}, "reason": "Hierarchical cache is disabled"}
 
 
 def _kv_gb(profile: Profile) -> float:

@@ -57,7 +57,7 @@ _hash = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True)
-class PrefixMatch:
+class CacheMatch:
     """The cached prefix of a prompt: leading pages on the device, then on the host."""
 
     device_pages: int
@@ -249,12 +249,12 @@ class PagedPrefixCache:
     def hashes(self, ids: npt.NDArray[Any], parent: int = ROOT_SEED) -> list[int]:
         return page_hashes(ids, self.page_size, parent)
 
-    def match(self, hashes: Sequence[int], max_pages: int | None = None) -> PrefixMatch:
+    def match(self, hashes: Sequence[int], max_pages: int | None = None) -> CacheMatch:
         """Longest cached prefix of ``hashes``: the device run, then the host run."""
         limit = len(hashes) if max_pages is None else min(max_pages, len(hashes))
         device = _prefix_run(hashes, limit, self._device.stamps.__contains__)
         cached = _prefix_run(hashes, limit, self._cached, start=device)
-        return PrefixMatch(device, cached - device, self.page_size)
+        return CacheMatch(device, cached - device, self.page_size)
 
     def _cached(self, h: int) -> bool:
         return h in self._device or h in self._host
@@ -269,7 +269,7 @@ class PagedPrefixCache:
 
     # -- admission and release ---------------------------------------------------------
     def try_admit(
-        self, hashes: Sequence[int], match: PrefixMatch, private_tokens: int
+        self, hashes: Sequence[int], match: CacheMatch, private_tokens: int
     ) -> list[int] | None:
         """Pin ``hashes[:match.pages]`` (loading host pages back), reserve private tokens.
 

@@ -11,6 +11,8 @@ so several apps can live in one process (tests) without clashing.
   (:meth:`SimMetrics.observe_request`).
 - Latencies are in *simulated* seconds (what the modelled replica would measure).
 - Histogram buckets are SGLang's defaults (``metrics_collector.py``).
+- As on the real server (checked by tests/sglang_real), the ``hicache_host_*`` gauges
+  exist only with HiCache on and ``spec_verify_calls_total`` only with speculative decoding.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ class RequestSample:
 class SimMetrics:
     """The SGLang metric families of one simulated replica."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, hicache: bool = True, spec: bool = True) -> None:
         # SGLang runs prometheus_client in multiprocess mode, which emits no `_created`
         # samples; this process-wide switch gives the same exposition.
         disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -102,9 +104,9 @@ class SimMetrics:
                        "pp_rank": "0", "moe_ep_rank": "0"}
         self._tok = {"model_name": model_name, "engine_type": "unified"}
         reg = self.registry
-        self._gauges = {
+        self._gauges = {  # SGLang registers the hicache_host_* gauges only with HiCache on
             name: Gauge(f"sglang:{name}", doc, SCHEDULER_LABELS, registry=reg)
-            for name, doc in SCHEDULER_GAUGES.items()
+            for name, doc in SCHEDULER_GAUGES.items() if hicache or not name.startswith("hicache_")
         }
         streaming = (*TOKENIZER_LABELS, "is_streaming")
         self.prompt_tokens = Counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.",
@@ -118,9 +120,10 @@ class SimMetrics:
                                     streaming, registry=reg)
         self.num_aborted = Counter("sglang:num_aborted_requests_total", "Number of requests aborted.",
                                    TOKENIZER_LABELS, registry=reg)
-        self.spec_verify = Counter("sglang:spec_verify_calls_total",
+        self.spec_verify = Counter("sglang:spec_verify_calls_total",  # only with speculative decoding
                                    "Number of speculative decoding verification calls.",
-                                   TOKENIZER_LABELS, registry=reg)
+                                   TOKENIZER_LABELS, registry=reg if spec else None)
+        self._spec = spec
         self.ttft = Histogram("sglang:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", streaming,
                               buckets=TTFT_BUCKETS, registry=reg)
@@ -146,7 +149,7 @@ class SimMetrics:
             self.cached_tokens.labels(**self._tok, cache_source="device").inc(r.cached_device)
         if r.cached_host:
             self.cached_tokens.labels(**self._tok, cache_source="host").inc(r.cached_host)
-        if r.spec_verify_ct:
+        if r.spec_verify_ct and self._spec:
             self.spec_verify.labels(**self._tok).inc(r.spec_verify_ct)
         if r.aborted:
             self.num_aborted.labels(**self._tok).inc()

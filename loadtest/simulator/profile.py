@@ -7,6 +7,14 @@ profile, ``kimi-k2.6-b200-tp8``, and how its numbers were derived are documented
 
 ``load_profile`` accepts a profile name (a file in ``profiles/``) or a path to a ``.toml``.
 Unknown keys are rejected so that a typo never silently falls back to a default.
+
+One source of truth for a replica's hardware: a profile that models a real launch names
+it, ``launch_profile = "<name>"`` (a profile of ``replicas/sglang_profiles``, from which
+the gpu-fleet overlay's SGLang command is generated), and takes from it what the launch
+decides (``LAUNCH_FIELDS``: model names, TP size, page size, batching limits, context
+length, the speculative algorithm and its draft tokens, the HiCache host pool as
+``hicache_ratio`` x ``device_tokens``). Such a profile must not set those keys itself;
+it keeps only what the launch cannot say (pool sizes from memory math, throughputs).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from replicas import sglang_args
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 DEFAULT_PROFILE = "kimi-k2.6-b200-tp8"
@@ -97,8 +107,41 @@ def _resolve(name_or_path: str) -> Path:
     return bundled
 
 
+LAUNCH_FIELDS = ("served_model_name", "model_path", "tp_size", "page_size", "max_running_requests",
+                 "chunked_prefill_size", "context_length", "spec_algorithm", "spec_num_draft_tokens",
+                 "host_tokens")
+
+
+def _from_launch(data: dict[str, Any], default_name: str) -> dict[str, Any]:
+    """The launch profile's facts merged into a simulator profile table (see the module doc)."""
+    name = data.pop("launch_profile")
+    repeated = sorted(set(data) & set(LAUNCH_FIELDS))
+    if repeated:
+        raise ProfileError(f"profile {default_name!r}: {repeated} come from launch profile {name!r}; "
+                           "set them there")
+    try:
+        launch = sglang_args.load_profile(str(name))
+    except sglang_args.LaunchProfileError as exc:
+        raise ProfileError(f"profile {default_name!r}: {exc}") from exc
+    device = int(data.get("device_tokens", 0))
+    spec = launch.speculative_algorithm
+    draft = launch.speculative_dflash_block_size or launch.speculative_num_draft_tokens or 0
+    derived = {
+        "served_model_name": launch.served_model_name, "model_path": launch.model_path,
+        "tp_size": launch.tp_size, "page_size": launch.page_size,
+        "max_running_requests": launch.max_running_requests or 0,
+        "chunked_prefill_size": launch.chunked_prefill_size or 8192,
+        "context_length": launch.context_length or 0,
+        "spec_algorithm": spec, "spec_num_draft_tokens": draft,
+        "host_tokens": int((launch.hicache_ratio or 2.0) * device) if launch.hicache else 0,
+    }
+    return {**data, **derived}
+
+
 def profile_from_dict(data: dict[str, Any], default_name: str) -> Profile:
     """Build a Profile from a parsed TOML table (flat; ``spec_algorithm = ""`` means None)."""
+    if "launch_profile" in data:
+        data = _from_launch(dict(data), default_name)
     fields = {f.name for f in dataclasses.fields(Profile)}
     unknown = sorted(set(data) - fields)
     if unknown:

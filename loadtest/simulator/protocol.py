@@ -56,6 +56,12 @@ def usage(f: Finish) -> dict[str, Any]:
     }
 
 
+def metadata(f: Finish) -> dict[str, Any]:
+    """The response ``metadata`` of chat and completions (weights never change here)."""
+    return {"weight_version": "default",
+            "weight_versions": [{"version": "default", "start": 0, "end": f.completion_tokens}]}
+
+
 def cached_details(f: Finish) -> dict[str, int]:
     return {"device": f.cached_device, "host": f.cached_host}
 
@@ -73,7 +79,7 @@ def chat_response(rid: str, created: int, model: str, text: str, f: Finish,
             "logprobs": None, "finish_reason": f.reason, "matched_stop": f.matched_stop,
         }],
         "usage": usage(f),
-        "metadata": None,
+        "metadata": metadata(f),
     }
     if with_sglext:
         body["sglext"] = {"cached_tokens_details": cached_details(f)}
@@ -122,7 +128,7 @@ def completion_response(rid: str, created: int, model: str, text: str, f: Finish
         "choices": [{"index": 0, "text": text, "logprobs": None,
                      "finish_reason": f.reason, "matched_stop": f.matched_stop}],
         "usage": usage(f),
-        "metadata": None,
+        "metadata": metadata(f),
     }
     if with_sglext:
         body["sglext"] = {"cached_tokens_details": cached_details(f)}
@@ -166,6 +172,7 @@ def generate_meta(rid: str, f: Finish | None, prompt_tokens: int, completion_tok
         "id": rid, "finish_reason": None, "prompt_tokens": prompt_tokens,
         "weight_version": "default", "num_retractions": 0,
         "reasoning_tokens": 0, "completion_tokens": completion_tokens, "cached_tokens": 0,
+        "weight_versions": [{"version": "default", "start": 0, "end": completion_tokens}],
     }
     if f is None:
         return meta
@@ -173,6 +180,7 @@ def generate_meta(rid: str, f: Finish | None, prompt_tokens: int, completion_tok
     meta["cached_tokens"] = f.cached_tokens
     if f.cached_tokens:
         meta["cached_tokens_details"] = cached_details(f)
+    meta["dp_rank"] = None
     meta["e2e_latency"] = e2e_latency_s
     if spec_draft_tokens > 1 and f.spec_verify_ct > 0:
         verify = f.spec_verify_ct

@@ -25,8 +25,6 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import orjson
 from starlette.applications import Starlette
@@ -37,11 +35,11 @@ from starlette.routing import Route
 
 from loadtest.simulator import info, protocol
 from loadtest.simulator.clock import RealtimeDriver
+from loadtest.simulator.config import SimServerConfig
 from loadtest.simulator.engine import ReplicaEngine
 from loadtest.simulator.faults import FaultConfig, FaultConfigError, Faults
 from loadtest.simulator.generation import generation_routes
 from loadtest.simulator.metrics import CONTENT_TYPE, SimMetrics
-from loadtest.simulator.profile import Profile
 
 log = logging.getLogger("kvgate.sim")
 
@@ -51,27 +49,17 @@ FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n")
 
 
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    profile: Profile
-    time_scale: float
-    seed: int = 0
-    host: str = "127.0.0.1"
-    port: int = 30000
-    faults: FaultConfig = field(default_factory=FaultConfig)
-    model_dir: Path | None = None  # default: info.model_dir(profile)
-    handle_sigterm: bool = False  # install the SGLang-like SIGTERM drain (the CLI does)
-
-
 class Replica:
     """Everything one replica process holds: engine, driver, flags, in-flight requests."""
 
-    def __init__(self, config: ServerConfig, on_drained: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: SimServerConfig, on_drained: Callable[[], None] | None = None) -> None:
         self.config = config
         self.profile = config.profile
         self.engine = ReplicaEngine(config.profile, seed=config.seed)
         self.driver = RealtimeDriver(self.engine, config.time_scale)
-        self.metrics = SimMetrics(config.profile.served_model_name)
+        self.metrics = SimMetrics(config.profile.served_model_name,
+                                  hicache=config.profile.host_tokens > 0,
+                                  spec=config.profile.spec_algorithm is not None)
         self.faults = Faults(config.faults, config.seed)
         self.model_dir = config.model_dir or info.model_dir(config.profile)
         self.server_args = info.server_args(config, self.model_dir)
@@ -143,7 +131,7 @@ class Replica:
 
     async def flush_cache(self, request: Request) -> Response:
         if self.engine.flush_cache():
-            return Response(FLUSH_OK, media_type="text/plain")
+            return Response(FLUSH_OK)  # SGLang sets no content-type here
         return Response("Flush cache failed.\n", status_code=400, media_type="text/plain")
 
     async def metrics_route(self, request: Request) -> Response:
@@ -226,7 +214,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _json({"detail": exc.detail}, exc.status_code)
 
 
-def build_app(config: ServerConfig, on_drained: Callable[[], None] | None = None) -> Starlette:
+def build_app(config: SimServerConfig, on_drained: Callable[[], None] | None = None) -> Starlette:
     """A Starlette app for one simulated replica; ``app.state.replica`` is its state."""
     replica = Replica(config, on_drained)
     app = Starlette(routes=replica.routes(), lifespan=replica.lifespan,

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from loadtest.simulator.kvcache import PagedPrefixCache
-
-if TYPE_CHECKING:
-    from loadtest.simulator.engine import RequestResult
+from loadtest.simulator.requests import RequestResult
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Replica profiles -> SGLang 0.5.23 arguments: semantic checks, generated files, and the
-real SGLang argument parser (in .venv-sglang, built by .ci/sglang-argcheck.sh)."""
+real SGLang argument parser (in the CPU SGLang venv of tools/sglang_cpu/install.sh)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 
 from replicas import sglang_args
 from replicas.sglang_args import (
-    ProfileError,
+    LaunchProfileError,
     SGLangProfile,
     build_args,
     load_profile,
@@ -21,7 +21,7 @@ from replicas.sglang_args import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV_PY = ROOT / ".venv-sglang" / "bin" / "python"
+INSTALLER = ROOT / "tools" / "sglang_cpu" / "install.sh"
 CHECK = ROOT / "tools" / "sglang_argcheck" / "check.py"
 DFLASH = load_profile("kimi-k2.6-tp8-dflash")
 
@@ -58,7 +58,7 @@ def test_dflash_profile_args() -> None:
 def test_semantic_errors(changes: dict[str, Any], message: str) -> None:
     profile = with_(DFLASH, **changes)
     assert any(message in e for e in semantic_errors(profile)), semantic_errors(profile)
-    with pytest.raises(ProfileError):
+    with pytest.raises(LaunchProfileError):
         build_args(profile)
 
 
@@ -71,7 +71,7 @@ def test_eagle_topk1_needs_steps_plus_one() -> None:
 def test_unknown_profile_key_is_an_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('model_path = "m"\nserved_model_name = "m"\npage_size = 16\ntp_sise = 8\n')
-    with pytest.raises(ProfileError, match="tp_sise"):
+    with pytest.raises(LaunchProfileError, match="tp_sise"):
         load_profile(str(bad))
 
 
@@ -96,12 +96,15 @@ BAD_CASES: dict[str, tuple[list[str], int]] = {
 @pytest.fixture(scope="module")
 def real_parser() -> dict[str, dict[str, Any]]:
     """Every case through SGLang 0.5.23's parser in ONE subprocess (torch import is slow)."""
-    if not VENV_PY.exists():
-        pytest.fail(f"{VENV_PY.parent.parent} is missing: run `bash .ci/sglang-argcheck.sh` first "
-                    "(it builds the venv with SGLang 0.5.23's argument parser; CI runs it before the tests)")
+    where = subprocess.run(["bash", str(INSTALLER), "--where"], capture_output=True, text=True,
+                           timeout=60, check=False)
+    if where.returncode != 0:
+        pytest.fail("the CPU SGLang venv is missing: run `bash .ci/sglang-argcheck.sh` first (it builds "
+                    "it with tools/sglang_cpu/install.sh; CI runs it before the tests)\n" + where.stderr)
+    venv_py = where.stdout.strip().splitlines()[-1]
     cases = {name: build_args(load_profile(name)) for name in sglang_args.profile_names()}
     cases.update({name: ["--model-path", "m", *bad] for name, (bad, _) in BAD_CASES.items()})
-    out = subprocess.run([str(VENV_PY), str(CHECK), "--batch"], input=json.dumps(cases),
+    out = subprocess.run([venv_py, str(CHECK), "--batch"], input=json.dumps(cases),
                          capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     result: dict[str, dict[str, Any]] = json.loads(out.stdout)

@@ -1,8 +1,9 @@
 """Validate `sglang serve` arguments with SGLang 0.5.23's own parser, on CPU.
 
-Runs inside ``.venv-sglang`` (built by ``.ci/sglang-argcheck.sh``: the sglang wheel with
-``--no-deps``, CPU torch 2.13 and a few small packages; contract doc §7 recipe B).
-Two tricks make the parser importable without a GPU:
+Runs inside the CPU SGLang venv of ``tools/sglang_cpu/install.sh`` (the sglang wheel
+with ``--no-deps``, CPU torch 2.13 and SGLang's non-CUDA requirements; see
+``.ci/sglang-argcheck.sh``). It also works in a smaller venv without triton (contract
+doc §7 recipe B). Two tricks make the parser importable without a GPU:
 
 - ``sglang`` is registered as a bare package, so ``sglang/__init__.py`` (the frontend
   language: IPython, aiohttp, ...) never runs; ``sglang.srt.*`` imports normally.

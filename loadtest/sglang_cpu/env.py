@@ -1,0 +1,98 @@
+"""Where the real CPU SGLang environment and the tiny model live, and building them.
+
+Both are cached per machine, outside the project, so every clone (CI's fresh ones
+included) reuses them: ``${KVGATE_CACHE_DIR:-~/.cache/kvgate}/sglang-cpu-0.5.23-<pins>/``
+holds ``venv/`` (built by ``tools/sglang_cpu/install.sh``) and
+``models/tiny-llama-<hash of model.py>/`` (built by :mod:`.model` inside that venv).
+Each build runs at most once per key; a progress message goes to stderr first.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALLER = ROOT / "tools" / "sglang_cpu" / "install.sh"
+MODEL_BUILDER = Path(__file__).resolve().with_name("model.py")
+INSTALL_TIMEOUT_S = 1800.0
+MODEL_TIMEOUT_S = 600.0
+
+
+class EnvError(RuntimeError):
+    """The SGLang CPU environment or the tiny model could not be built."""
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangEnv:
+    python: Path  # the venv's interpreter
+    model_dir: Path  # the tiny model served by default
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVGATE_CACHE_DIR") or Path.home() / ".cache" / "kvgate")
+
+
+def ensure_venv() -> Path:
+    """Run the (idempotent) installer; returns the venv's python."""
+    if not INSTALLER.is_file():
+        raise EnvError(f"{INSTALLER} not found (kvgate sglang-cpu needs a source checkout)")
+    try:
+        done = subprocess.run(["bash", str(INSTALLER), "--print-python"], stdout=subprocess.PIPE,
+                              text=True, timeout=INSTALL_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise EnvError(f"{INSTALLER} did not finish in {INSTALL_TIMEOUT_S:.0f}s") from e
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise EnvError(f"{INSTALLER} failed with exit code {done.returncode}")
+    return Path(lines[-1])
+
+
+def model_key() -> str:
+    return hashlib.sha256(MODEL_BUILDER.read_bytes()).hexdigest()[:12]
+
+
+def model_dir_for(python: Path) -> Path:
+    """``<venv's parent>/models/tiny-llama-<hash of model.py>``."""
+    return python.parent.parent.parent / "models" / f"tiny-llama-{model_key()}"
+
+
+def ensure_model(python: Path) -> Path:
+    """Build the tiny model with the venv's ``python`` unless it is cached."""
+    out = model_dir_for(python)
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    print(f"sglang-cpu: building the tiny model in {out} (about 20 s)", file=sys.stderr, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run([str(python), str(MODEL_BUILDER), "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=MODEL_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise EnvError(f"model builder did not finish in {MODEL_TIMEOUT_S:.0f}s") from e
+    if done.returncode != 0:
+        raise EnvError(f"model builder failed with exit code {done.returncode}:\n{done.stdout[-3000:]}")
+    return out
+
+
+def ensure_env() -> SGLangEnv:
+    python = ensure_venv()
+    return SGLangEnv(python=python, model_dir=ensure_model(python))
+
+
+def main() -> int:
+    """``python -m loadtest.sglang_cpu.env``: build what is missing, print where it is."""
+    try:
+        env = ensure_env()
+    except EnvError as e:
+        print(f"sglang-cpu: {e}", file=sys.stderr)
+        return 1
+    print(f"sglang-cpu: python {env.python}\nsglang-cpu: model {env.model_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
