@@ -3,9 +3,11 @@
 ``create_app(settings)`` builds an app whose lifespan owns every long-lived object,
 kept on ``app.state.gateway`` (a ``Gateway``), never in module globals:
 
-- one shared ``httpx.AsyncClient`` (explicit timeouts and pool limits, HTTP/1.1
-  keep-alive; it carries no default headers of its own, so the replica sees the
-  client's headers),
+- the request path's upstream client (``gateway.upstream.AiohttpUpstream``: one
+  aiohttp session with a bounded pool; it carries no default headers of its own, so the
+  replica sees the client's headers, cleaned by ``relay.upstream_headers``), and one
+  shared ``httpx.AsyncClient`` for probes (unit tests inject a transport into it, and
+  the request path then goes through it too),
 - the prefix index (``prefix_index.factory.make_index``),
 - the replica registry (probes, load accounting, drain), started and stopped here,
 - the policy (``policies.registry.make_policy``) and the ``Router`` around it,
@@ -18,38 +20,47 @@ kept on ``app.state.gateway`` (a ``Gateway``), never in module globals:
 
 Inference endpoints read the body once (bounded by ``max_body_bytes``), build the
 ``RequestContext`` (``gateway.context.build_context``: the only parse of the body) and
-hand both to ``gateway.proxy.Proxy``. Errors are OpenAI-shaped (``gateway.errors``).
+hand both to ``gateway.proxy.Proxy``. While the request waits for its first byte (or
+a buffered body), a watcher listens for the client leaving: the handler is then
+cancelled, the upstream request closed (SGLang aborts it), and the request counted as
+status 499, logged at INFO at most; a client that leaves during the upload is a 499 too.
+Errors are OpenAI-shaped (``gateway.errors``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import Receive
 
 from gateway import admin
 from gateway.context import build_context
 from gateway.errors import GatewayError, InvalidRequest, NotFound, PayloadTooLarge
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.proxy import (
-    Proxy,
+from gateway.openapi import openapi_document
+from gateway.proxy import CLIENT_CLOSED, Proxy
+from gateway.relay import (
+    HeaderPolicy,
     RelayResponse,
     error_response,
     json_response,
     route_headers,
     upstream_headers,
 )
-from gateway.router import FleetListener, Router
+from gateway.router import LOCAL_SESSIONS, FleetListener, Router
 from gateway.scaling import ScaleLoop, make_annotator
 from gateway.settings import Settings
+from gateway.upstream import AiohttpUpstream, HttpxUpstream, Upstream
 from policies.framework import Pipeline
 from policies.registry import make_policy
 from prefix_index.base import PrefixIndex
@@ -64,13 +75,15 @@ ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completion
 
 
 def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The one upstream client: explicit timeouts, pool limits, no default headers.
+    """The probe client (the registry's): explicit timeouts, pool limits, no default headers.
 
-    ``transport`` replaces the network (unit tests inject ``httpx.MockTransport``)."""
-    timeout = httpx.Timeout(connect=settings.connect_timeout_s, read=settings.read_timeout_s,
-                            write=settings.read_timeout_s, pool=settings.first_byte_timeout_s)
-    limits = httpx.Limits(max_connections=settings.max_connections,
-                          max_keepalive_connections=settings.max_connections, keepalive_expiry=30.0)
+    ``transport`` replaces the network (unit tests inject ``httpx.MockTransport``); the
+    request path then goes through this client too (``HttpxUpstream``), else through
+    ``AiohttpUpstream``."""
+    timeout = httpx.Timeout(connect=settings.upstream.connect_timeout_s, read=settings.upstream.read_timeout_s,
+                            write=settings.upstream.read_timeout_s, pool=settings.upstream.first_byte_timeout_s)
+    limits = httpx.Limits(max_connections=settings.upstream.max_connections,
+                          max_keepalive_connections=settings.upstream.max_connections, keepalive_expiry=30.0)
     client = httpx.AsyncClient(timeout=timeout, limits=limits, http1=True, http2=False,
                                follow_redirects=False, trust_env=False, transport=transport)
     for name in ("accept", "accept-encoding", "user-agent", "connection"):
@@ -93,12 +106,19 @@ async def read_body(request: Request, limit: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+async def _client_gone(receive: Receive) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class Gateway:
     """Everything a request needs, built by the lifespan and kept on ``app.state``."""
 
     def __init__(self, settings: Settings, client: httpx.AsyncClient, index: PrefixIndex,
                  registry: Registry, policy: Pipeline, *, shared_state: bool = False,
-                 lean_upstream: bool = True) -> None:
+                 upstream: Upstream | None = None) -> None:
+        """``upstream``: the request path's client (default: ``HttpxUpstream(client)``)."""
         self.settings = settings
         self.client = client
         self.index = index
@@ -110,14 +130,17 @@ class Gateway:
         # compare across hosts and with the registry's added_at_s (also wall time)
         self.router = Router(policy, index, registry.views, self.metrics, clock=time.time,
                              resident_window_s=policy.resident_window_s,
-                             rng=random.Random(settings.policy.seed))
-        self.proxy = Proxy(self, lean_upstream=lean_upstream)
-        hashing = settings.hashing
-        self.fleet = FleetListener(index, policy, hashing.block_chars / hashing.chars_per_token)
-        registry.add_listener(self.fleet)
+                             rng=policy.new_rng(),
+                             local_sessions=min(settings.index.max_sessions, LOCAL_SESSIONS))
         self.scaling = ScaleLoop(settings.scale, registry, registry.views, index, policy.resident_window_s,
                                  self.metrics, make_annotator(settings.scale))
         self.hits = self.scaling.hits  # the proxy records each request's cached tokens here
+        self.proxy = Proxy(settings.upstream, upstream or HttpxUpstream(client), self.router, registry,
+                           self.metrics, self.hits, shared_state=shared_state)
+        self.header_policy = HeaderPolicy.from_config(settings.upstream)
+        hashing = settings.hashing
+        self.fleet = FleetListener(index, policy, hashing.block_chars / hashing.chars_per_token)
+        registry.add_listener(self.fleet)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -135,7 +158,7 @@ class Gateway:
         await self.registry.stop()
         await self.fleet.close()
         await self.index.close()
-        self.proxy.close()
+        await self.proxy.close()
         await self.client.aclose()
 
     def request_done(self, endpoint: str, status: int, started_s: float) -> None:
@@ -148,13 +171,53 @@ class Gateway:
             body = await read_body(request, self.settings.hashing.max_body_bytes)
             headers = request.headers
             ctx = build_context(endpoint, body, headers, headers.get("content-type"), self.settings)
-            response = await self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body,
-                                                upstream_headers(headers.raw), started_s)
         except GatewayError as exc:
-            response = error_response(exc, route_headers("none", "rejected"))
+            return self._answered(endpoint, error_response(exc, route_headers("none", "rejected")), started_s)
+        except ClientDisconnect:
+            log.info("client left during the upload of a %s request", endpoint)
+            return self._answered(endpoint, Response(status_code=CLIENT_CLOSED), started_s)
+        client = request.client.host if request.client is not None else None
+        out_headers = upstream_headers(headers.raw, self.header_policy, client, request.url.scheme)
+        response = await self._until_client_leaves(
+            request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s))
+        if response is None:
+            log.info("client left before the answer of request %s", ctx.request_id)
+            response = Response(status_code=CLIENT_CLOSED)
         if not isinstance(response, RelayResponse):  # streams count themselves when they end
             self.request_done(endpoint, response.status_code, started_s)
         return response
+
+    def _answered(self, endpoint: str, response: Response, started_s: float) -> Response:
+        self.request_done(endpoint, response.status_code, started_s)
+        return response
+
+    @staticmethod
+    async def _until_client_leaves(request: Request, forward: Awaitable[Response]) -> Response | None:
+        """``forward``'s response, or None when the client left first (``forward`` is then
+        cancelled: the upstream request is closed and its lease released)."""
+        task = asyncio.current_task()
+        assert task is not None
+        gone = finished = False
+
+        def cancel(_: asyncio.Future[None]) -> None:
+            nonlocal gone
+            if watcher.cancelled() or watcher.exception() is not None or finished:
+                return  # (exception() also marks a failed watcher's error as retrieved)
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(_client_gone(request.receive))
+        watcher.add_done_callback(cancel)
+        try:
+            return await forward
+        except asyncio.CancelledError:
+            if not gone or task.uncancel() > 0:  # also cancelled from outside (shutdown)
+                raise
+            return None
+        finally:
+            finished = True
+            watcher.remove_done_callback(cancel)
+            watcher.cancel()
 
     async def refresh_metrics(self) -> None:
         """Fleet gauges and cumulative totals kept by the registry, index and policy."""
@@ -166,6 +229,7 @@ class Gateway:
         self.metrics.refresh_fleet(self.registry.views(), stats)
         self.metrics.plugin_time({k: t.total_s for k, t in self.policy.timings().items()})
         self.metrics.index_degraded_backend(int(getattr(self.index, "degraded_total", 0)))
+        self.metrics.ejections(self.registry.ejections_total, (v.id for v in self.registry.views()))
 
 
 def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> Gateway:
@@ -175,8 +239,8 @@ def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None
     shared_cfg = settings.registry.shared
     shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
     registry = Registry(settings.registry, client, shared=shared, clock=time.time)
-    return Gateway(settings, client, index, registry, policy, shared_state=shared is not None,
-                   lean_upstream=transport is None)
+    upstream = AiohttpUpstream(settings.upstream) if transport is None else None
+    return Gateway(settings, client, index, registry, policy, shared_state=shared is not None, upstream=upstream)
 
 
 def _install_routes(app: FastAPI) -> None:
@@ -212,6 +276,12 @@ def _install_routes(app: FastAPI) -> None:
         gateway = gw(request)
         await gateway.refresh_metrics()
         return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    document = orjson.dumps(openapi_document())
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return Response(document, media_type="application/json")
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("loadtest.simulate_cmd", "simulate a whole fleet over a trace in virtual time"),
     "bench": ("loadtest.bench_cmd", "benchmarks (peers, gateway overhead, index, simulator)"),
     "drain": ("replicas.drain_cmd", "ask a gateway to drain a replica and wait (preStop hook)"),
+    "sglang-cpu": ("loadtest.sglang_cpu.cli", "run real SGLang 0.5.23 servers on the CPU with a tiny local model"),
     "sglang-args": ("replicas.sglang_args", "generate SGLang launch arguments from a replica profile"),
 }
 

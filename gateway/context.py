@@ -4,6 +4,14 @@
 extracts the session keys and hashes the canonical rendering (``gateway.prefix_hash``).
 The body bytes themselves are forwarded unchanged by the proxy; nothing here
 re-serializes them.
+
+Nesting is bounded: a body nested deeper than ``MAX_JSON_DEPTH`` (128) levels of arrays
+and objects is a 400. orjson parses up to 1024 levels but serializes at most 254 (the
+canonical rendering of tools and content parts would fail), and no OpenAI or SGLang
+request needs more than a dozen. The check costs one C-speed ``orjson.dumps`` of the
+parsed body wrapped in ``254 - 128`` lists, which fails exactly when the body is deeper
+than 128 (~3 % of a 400 KB request's parse and hash), and is skipped for bodies too short
+to nest that deep.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ import orjson
 import xxhash
 from pydantic import BaseModel, Field
 
-from gateway import prefix_hash
+from gateway import conversation, prefix_hash
 from gateway.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from policies.base import RequestContext, SessionKeys
 
@@ -25,6 +33,8 @@ ENDPOINTS = {
     "generate": "generate", "/generate": "generate",
 }
 MAX_KEY_CHARS = 128  # longer session keys / request ids are replaced by a digest
+MAX_JSON_DEPTH = 128  # arrays/objects nested deeper are refused (see the module docstring)
+_ORJSON_MAX_DEPTH = 254  # orjson.dumps raises beyond this
 
 
 class HashingConfig(BaseModel):
@@ -113,7 +123,20 @@ def _parse(body: bytes, limit: int) -> dict[str, Any]:
         raise InvalidRequest(f"malformed JSON body: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("the JSON body must be an object")
+    if len(body) >= 2 * MAX_JSON_DEPTH:  # shorter bodies cannot nest that deep
+        check_depth(data)
     return data
+
+
+def check_depth(document: Any) -> None:
+    """Raise ``InvalidRequest`` when ``document`` nests deeper than ``MAX_JSON_DEPTH``."""
+    wrapped = document
+    for _ in range(_ORJSON_MAX_DEPTH - MAX_JSON_DEPTH):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError as exc:
+        raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from exc
 
 
 def _optional_int(data: Mapping[str, Any], name: str) -> int | None:
@@ -165,7 +188,10 @@ def _render(endpoint: str, data: dict[str, Any], keep_text: bool) -> tuple[bytes
     """(bytes to hash, prompt characters, routing text, exact token count when ids were sent)."""
     if endpoint == "chat":
         messages = _check_messages(data.get("messages"))
-        text = prefix_hash.render_chat(messages, data.get("tools"))
+        try:
+            text = conversation.render_chat(messages, data.get("tools"))
+        except conversation.ShapeError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
         return text.encode(), len(text), prefix_hash.chat_routing_text(messages) if keep_text else "", None
     field = "prompt" if endpoint == "completions" else ("text" if "text" in data else "input_ids")
     prompt: Any = data.get(field)
@@ -212,7 +238,10 @@ def build_context(
     data = _parse(body, hcfg.max_body_bytes)
     model = _model(data)
     max_tokens, stream = _max_tokens(kind, data), _stream(data)
-    raw, chars, routing_text, n_tokens = _render(kind, data, hcfg.keep_routing_text)
+    try:
+        raw, chars, routing_text, n_tokens = _render(kind, data, hcfg.keep_routing_text)
+    except orjson.JSONEncodeError as exc:  # unreachable after check_depth; never a 500
+        raise InvalidRequest(f"the JSON body cannot be rendered: {exc}") from exc
     hashes = prefix_hash.chain_hashes(raw, model, hcfg.block_chars, hcfg.max_blocks)
     if n_tokens is not None:
         chars = int(n_tokens * hcfg.chars_per_token)

@@ -17,8 +17,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from prefix_index.base import IndexStats
+from prefix_index.base import IndexStats, ReplicaId
 from replicas.model import ReplicaState, ReplicaView
+from replicas.outlier import REASONS as EJECTION_REASONS
 from replicas.scale import ScaleAdvice
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -27,6 +28,9 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 2.0, 4.0, 8
 ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
 DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 HIT_RATIO_WINDOW = 256  # requests in the "recent" cache hit ratio
+# causes of kvgate_upstream_retries_total (gateway/proxy.py's table); children made up front
+RETRY_REASONS = ("connect", "disconnect", "head_timeout", "first_byte_timeout", "status_429", "status_503",
+                 "status_5xx")
 
 
 class GatewayMetrics:
@@ -69,6 +73,14 @@ class GatewayMetrics:
                                       registry=r)
         self.upstream_retries = Counter("kvgate_upstream_retries",
                                         "Attempts retried on another replica, by cause", ["reason"], registry=r)
+        self.retry_budget_exhausted = Counter(
+            "kvgate_retry_budget_exhausted", "Retries not made because the fleet-wide retry budget was spent",
+            registry=r)
+        self.replica_ejections = Counter(
+            "kvgate_replica_ejections", "Outlier ejections, by replica and reason (consecutive, failure_rate, "
+            "probe_timeout)", ["replica", "reason"], registry=r)
+        self.replica_ejected = Gauge("kvgate_replica_ejected", "1 while the replica is ejected as an outlier",
+                                     ["replica"], registry=r)
         self.plugin_seconds = Counter("kvgate_policy_plugin_seconds",
                                       "Time spent in each policy plugin", ["plugin"], registry=r)
         self.desired_replicas = Gauge("kvgate_desired_replicas",
@@ -81,14 +93,39 @@ class GatewayMetrics:
         self.replica_deletion_cost = Gauge("kvgate_replica_deletion_cost",
                                            "pod-deletion-cost the gateway asks for (lowest goes first)",
                                            ["replica"], registry=r)
+        self.policy_errors = Counter("kvgate_policy_errors", "Policy hooks that raised (a bug: logged, the "
+                                     "request unaffected), by hook", ["hook"], registry=r)
+        for hook in ("on_routed", "on_completed"):
+            self.policy_errors.labels(hook)
         self.scale_errors = Counter("kvgate_scale_errors", "Scale loop failures, by stage (index, annotate, tick)",
                                     ["stage"], registry=r)
+        # client edge (gateway/server.py): connections and requests refused or closed by a bound
+        self.client_connections = Gauge("kvgate_client_connections", "Open client connections", registry=r)
+        self.client_connections_closed = Counter(
+            "kvgate_client_connections_closed",
+            "Client connections the gateway closed, by cause (idle, header_timeout, body_timeout, evicted)",
+            ["reason"], registry=r)
+        self.requests_rejected = Counter(
+            "kvgate_requests_rejected", "Requests refused before routing, by cause (connection_cap, "
+            "concurrency_cap, shutting_down)", ["reason"], registry=r)
+        self.streams_cut_at_shutdown = Counter(
+            "kvgate_streams_cut_at_shutdown", "Streams still open at the end of the shutdown grace (ended "
+            "with an SSE error event)", registry=r)
+        self.admin_requests = Counter("kvgate_admin_requests", "Admin API calls, by route and HTTP status",
+                                      ["route", "status"], registry=r)
+        # session table (prefix_index): size and LRU evictions, refreshed on scrape
+        self.session_table_sessions = Gauge("kvgate_session_table_sessions", "Sessions in the session table",
+                                            registry=r)
+        self.session_table_evictions = Counter(
+            "kvgate_session_table_evictions", "Sessions evicted from the session table by its size bound",
+            registry=r)
         self._hits: deque[tuple[int, int]] = deque(maxlen=HIT_RATIO_WINDOW)
         self._hit_sums = [0, 0]  # cached, prompt over the window
         self._seen: dict[str, float] = {}
         # label children cached on the request path (label lookups are not free)
         self._done: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._decisions: dict[tuple[str, str], Any] = {}
+        self._retries = {reason: self.upstream_retries.labels(reason) for reason in RETRY_REASONS}
 
     # -- request path -------------------------------------------------------------
     def request_done(self, endpoint: str, status: int, duration_s: float) -> None:
@@ -132,7 +169,13 @@ class GatewayMetrics:
             self.itl.observe(itl_s)
 
     def retry(self, reason: str) -> None:
-        self.upstream_retries.labels(reason).inc()
+        child = self._retries.get(reason)
+        if child is None:
+            child = self._retries[reason] = self.upstream_retries.labels(reason)
+        child.inc()
+
+    def retry_budget_spent(self) -> None:
+        self.retry_budget_exhausted.inc()
 
     # -- scale loop ------------------------------------------------------------------
     def scale_advice(self, advice: ScaleAdvice) -> None:
@@ -143,6 +186,9 @@ class GatewayMetrics:
         for heat in advice.ranking:
             self.replica_cache_value.labels(heat.url).set(heat.value)
             self.replica_deletion_cost.labels(heat.url).set(advice.deletion_costs.get(heat.url, 0))
+
+    def policy_error(self, hook: str) -> None:
+        self.policy_errors.labels(hook).inc()
 
     def scale_error(self, stage: str) -> None:
         self.scale_errors.labels(stage).inc()
@@ -169,17 +215,33 @@ class GatewayMetrics:
         if delta:
             self.index_degraded.inc(delta)
 
+    def ejections(self, totals: Mapping[tuple[ReplicaId, str], int], replicas: Iterable[str]) -> None:
+        """Fold in the registry's cumulative ejection counts; every (replica, reason) child
+        exists from the replica's first scrape on, at 0 until it is ejected."""
+        for replica in replicas:
+            for reason in EJECTION_REASONS:
+                self.replica_ejections.labels(replica, reason)
+        for (replica, reason), total in totals.items():
+            delta = self._advance(f"eject:{replica}:{reason}", float(total))
+            if delta:
+                self.replica_ejections.labels(replica, reason).inc(delta)
+
     # -- fleet gauges, refreshed on scrape ----------------------------------------
     def refresh_fleet(self, views: Iterable[ReplicaView], stats: IndexStats | None) -> None:
         for gauge in (self.replica_state, self.replica_in_flight, self.replica_pending_prefill,
-                      self.index_blocks):
+                      self.index_blocks, self.replica_ejected):
             gauge.clear()  # replicas that left disappear from the exposition
         for view in views:
             for state in ReplicaState:
                 self.replica_state.labels(view.id, state.value).set(1.0 if view.state is state else 0.0)
             self.replica_in_flight.labels(view.id).set(view.in_flight)
             self.replica_pending_prefill.labels(view.id).set(view.pending_prefill_tokens)
+            self.replica_ejected.labels(view.id).set(1.0 if view.ejected else 0.0)
         if stats is not None:
+            self.session_table_sessions.set(getattr(stats, "sessions", 0))
+            delta = self._advance("session_evictions", float(getattr(stats, "session_evictions", 0)))
+            if delta:
+                self.session_table_evictions.inc(delta)
             for replica, blocks in stats.device_blocks.items():
                 self.index_blocks.labels(replica, "device").set(blocks)
             for replica, blocks in stats.host_blocks.items():

@@ -1,11 +1,8 @@
 """Canonical rendering of a request and its chained block hashes (docs/design.md "Block hashing").
 
 Rendering (one string, so that turn T's rendering is a prefix of turn T+1's):
-- chat: the ``tools`` array first (canonical JSON: sorted keys, no spaces), then each
-  message as ``\\x01 role \\x02 content \\x03``; content is the string, or the content parts
-  in order (text parts: their text; other parts: ``<type:digest>`` with an xxh3 digest of
-  the part's canonical JSON, so a 2 MB image costs one hash, not 8,000 blocks), then the
-  message's tool calls as ``\\x04 name \\x05 arguments``.
+- chat: ``gateway.conversation.render_chat``, the one canonical rendering of a conversation
+  (the same for chat completions, Anthropic Messages and OpenAI Responses).
 - completions / generate text: the prompt string (a list of strings: joined by ``\\x1e``).
 - token ids (``prompt`` or ``input_ids`` as integer lists): the ids as 4-byte little-endian
   integers, so a 256-byte block is exactly 64 tokens.
@@ -19,6 +16,7 @@ blocks are hashed, at most ``max_blocks`` of them. Chain: ``h_-1 = xxh3_64(model
 """
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -48,53 +46,6 @@ def chain_hashes(data: bytes, model: str, block_bytes: int, max_blocks: int) -> 
     return tuple(out)
 
 
-def _digest(value: Any) -> str:
-    return f"{_xxh(orjson.dumps(value, option=_CANON)):016x}"
-
-
-def _render_content(content: Any, out: list[str]) -> None:
-    if isinstance(content, str):
-        out.append(content)
-    elif isinstance(content, list):
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                out.append(part["text"])
-            elif isinstance(part, str):
-                out.append(part)
-            else:
-                kind = part.get("type", "part") if isinstance(part, dict) else "part"
-                out.append(f"<{kind}:{_digest(part)}>")
-    elif content is not None:
-        out.append(f"<content:{_digest(content)}>")
-
-
-def _render_tool_calls(calls: Any, out: list[str]) -> None:
-    if not isinstance(calls, list):
-        return
-    for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict):
-            args = fn.get("arguments", "")
-            out += ["\x04", str(fn.get("name", "")), "\x05", args if isinstance(args, str) else _digest(args)]
-        else:
-            out += ["\x04", _digest(call)]
-
-
-def render_chat(messages: Sequence[Any], tools: Any = None) -> str:
-    """The canonical text of a chat request (see the module docstring)."""
-    out: list[str] = []
-    if tools:
-        out += ["\x01tools\x02", orjson.dumps(tools, option=_CANON).decode(), "\x03"]
-    for msg in messages:
-        role = msg.get("role", "") if isinstance(msg, dict) else ""
-        out += ["\x01", role if isinstance(role, str) else str(role), "\x02"]
-        if isinstance(msg, dict):
-            _render_content(msg.get("content"), out)
-            _render_tool_calls(msg.get("tool_calls"), out)
-        out.append("\x03")
-    return "".join(out)
-
-
 def chat_routing_text(messages: Sequence[Any]) -> str:
     """SGLang router's routing text: the text content of all messages joined by single spaces."""
     texts: list[str] = []
@@ -116,7 +67,7 @@ def is_token_ids(value: Any) -> bool:
 
 
 def render_token_ids(value: list[Any]) -> tuple[bytes, int]:
-    """Token ids (flat or a batch of lists) as 4-byte native (x86: little-endian) ints; and the count.
+    """Token ids (flat or a batch of lists) as 4-byte little-endian ints; and the count.
 
     Raises ValueError for anything but integers in [0, 2**32).
     """
@@ -127,6 +78,8 @@ def render_token_ids(value: list[Any]) -> tuple[bytes, int]:
             ids.extend(row)
     except (TypeError, OverflowError) as exc:
         raise ValueError("token ids must be integers in [0, 2**32)") from exc
+    if sys.byteorder == "big":
+        ids.byteswap()
     return ids.tobytes(), len(ids)
 
 

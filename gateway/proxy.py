@@ -1,45 +1,64 @@
-"""Pass-through to a replica, response relay, and failover before the first byte.
+"""Pass-through to a replica: outcome classification, retries, relay, cancellation.
 
-For each attempt: ``router.decide`` picks a replica (the first time over the whole
-fleet, then over the replicas not tried yet), ``router.routed`` records it, the registry
-leases one unit of load, and the **original body bytes** go upstream with the client's
-headers minus hop-by-hop ones. The gateway then waits for the replica's response
-headers *and its first body chunk* before answering the client, so that everything
-that can fail before the first byte (connect error, timeout, 5xx, a replica dying
-mid-prefill) is retried on the next replica, invisible to the client:
+For each attempt the router picks a replica (first over the whole fleet, then over the
+routable replicas not tried yet), the registry leases one unit of load, and the
+**original body bytes** go upstream (``gateway.upstream``) with the client's headers
+cleaned (``relay.upstream_headers``). Nothing reaches the client before the replica's
+first body byte, so whatever fails before it can be retried invisibly. Every outcome:
 
-    attempt fails before the first byte  -> report_failure, release, retry (<= max_retries)
-    5xx and no other replica to try      -> the replica's own 5xx is relayed
-    all attempts failed (connect/reset)  -> 502 upstream_error; timeouts -> 504
-    SSE dies after the first byte        -> `data: {"error": {...}}` then `data: [DONE]`
-    JSON body dies after the first byte  -> 502 upstream_error (bodies are buffered)
+    outcome                                       retry                      against the replica
+    ------------------------------------------------------------------------------------------------
+    before the first byte
+    connect refused / reset / closed before head  elsewhere                  failure
+    stream: no head in head_timeout_s (10 s)      elsewhere                  failure
+    stream: no first chunk in first_byte_timeout  elsewhere (attempt closed) failure
+    503 / 429 (overloaded, queue full)            elsewhere                  none
+    other 5xx                                     once, on one other replica (a second opinion):
+      ... the other answers < 400                 -                          failure (the first)
+      ... the other answers 5xx too               no: its 5xx is relayed     none (the request's own:
+                                                                             its body is remembered as
+                                                                             poison, copies get no retry)
+    5xx of a poison body, or unjudged 5xx         no: relayed as is          none
+    non-stream: no answer in total_timeout_s      never resent (accepted:    failure; 504
+                                                  a slow generation)
+    4xx                                           no: relayed as is          success
+    after the first byte
+    stream: silent for stall_timeout_s (60 s)     no: SSE error + [DONE]     failure
+    stream breaks                                 no: SSE error + [DONE]     failure
+    non-stream body breaks                        no: 502                    failure
+    client leaves (any time, also before the      upstream request closed    none; status 499
+    head or while a body is buffered)             (SGLang aborts it)
+    give up (max_retries, retry budget, no        the last replica's answer as is, else
+    replica left)                                 502 upstream_error / 504 upstream_timeout
 
-Streams are relayed chunk by chunk as they arrive (``aiter_raw``: no decoding, no
-re-chunking); ``usage`` is sniffed from SSE lines containing ``"usage"`` and parsed once
-at the end (``gateway.relay``). Requests go upstream through ``gateway.upstream`` (a lean
-HTTP/1.1 keep-alive client), or through the shared ``httpx.AsyncClient`` when a test
-injected a transport into it. The load lease is released, and ``policy.on_completed`` called, when the
-response ends, fails, or the client disconnects (``RelayResponse`` runs the cleanup in a
+"failure" feeds the registry's outlier detector (replicas/outlier.py), one per distinct
+request; "success" resets its streak. Retries are bounded per request (``max_retries``)
+and fleet-wide (``RetryBudget``: retries in flight <= max(``retry_budget_min``,
+``retry_budget_ratio`` x requests in flight)); beyond the budget the first error goes
+back to the client. Streams are relayed chunk by chunk as they arrive (no decoding, no
+re-chunking); ``usage`` is sniffed from SSE lines and parsed once at the end
+(``gateway.relay``). The load lease is released and ``policy.on_completed`` called when
+the response ends, fails, or the client leaves (``RelayResponse`` runs the cleanup in a
 ``finally`` shielded from cancellation).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import httpx
 from starlette.responses import Response
 
 from gateway.errors import GatewayError, NoReplicaAvailable, UpstreamError, UpstreamTimeout
+from gateway.metrics import GatewayMetrics
 from gateway.relay import (
-    NOT_RELAYED,
     RelayResponse,
     Usage,
     UsageSniffer,
+    downstream_headers,
     error_response,
     json_response,
     route_headers,
@@ -48,27 +67,42 @@ from gateway.relay import (
     usage_of,
     usage_of_body,
 )
-from gateway.upstream import ResponseLike, UpstreamPool
-from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext
+from gateway.retry import PoisonBodies, RetryBudget
+from gateway.router import Router
+from gateway.scaling import HitWindow
+from gateway.upstream import (
+    ConnectFailed,
+    ResponseLike,
+    Upstream,
+    UpstreamFailure,
+    UpstreamTimedOut,
+)
+from gateway.upstream_config import UpstreamConfig
+from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext, RoutingInputs
 from prefix_index.base import ReplicaId
-from replicas.registry import LoadLease
+from replicas.registry import LoadLease, Registry
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+__all__ = ["CLIENT_CLOSED", "Proxy", "RelayResponse", "UsageSniffer", "error_response",
+           "json_response", "route_headers", "sse_error", "upstream_headers", "usage_of"]
 
-__all__ = ["Proxy", "RelayResponse", "UsageSniffer", "error_response", "json_response", "route_headers",
-           "sse_error", "upstream_headers", "usage_of"]  # relay's names, re-exported for existing importers
-
+log = logging.getLogger("kvgate.proxy")
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", used in metrics/outcomes only
+BLAMED = frozenset({"connect", "disconnect", "head_timeout", "first_byte_timeout", "total_timeout"})
 
 
-class Retryable(Exception):
-    """An attempt failed before the first byte; ``reason`` labels the retry metric."""
+class Failure(Exception):
+    """An attempt failed before the first byte. ``kind`` labels it (see the table);
+    ``response`` is the replica's answer when it answered (a 5xx, 503, 429), unread."""
 
-    def __init__(self, reason: str, error: GatewayError) -> None:
+    def __init__(self, kind: str, error: GatewayError, response: ResponseLike | None = None) -> None:
         super().__init__(error.message)
-        self.reason = reason
+        self.kind = kind
         self.error = error
+        self.response = response
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind != "total_timeout"
 
 
 @dataclass(slots=True)
@@ -84,72 +118,153 @@ class Attempt:
     last_byte_s: float | None = None
     sniffer: UsageSniffer | None = None
     complete: bool = False  # the stream reached its end
-    stream_error: str | None = None  # the stream broke after the first byte
+    stream_error: str | None = None  # the stream broke or stalled after the first byte
     closed: bool = False
+
+
+@dataclass(slots=True)
+class Tries:
+    """One request's attempts so far: replicas tried, retries, a 5xx awaiting a second opinion."""
+
+    tried: set[ReplicaId] = dataclasses.field(default_factory=set)
+    retries: int = 0
+    judge: ReplicaId | None = None  # replica whose 5xx waits for another replica's answer
+    fingerprint: int | None = None  # of the body, computed at the first 5xx
+    holding: bool = False  # the current attempt is a retry holding a slot of the budget
 
 
 class Proxy:
     """Sends a parsed request to the fleet with failover; returns the client's Response."""
 
-    def __init__(self, gateway: Gateway, *, lean_upstream: bool = True) -> None:
-        """``lean_upstream``: send with the gateway's own HTTP/1.1 pool (production); False
-        sends through the shared httpx client (unit tests inject a transport there)."""
-        self.gw = gateway
-        self.max_retries = gateway.settings.max_retries
-        self.first_byte_timeout_s = gateway.settings.first_byte_timeout_s
-        self._urls: dict[tuple[str, str], httpx.URL] = {}
-        self.reserve_margin = gateway.settings.reserve_margin
-        settings = gateway.settings
-        self.upstream = (
-            UpstreamPool(settings.connect_timeout_s, settings.read_timeout_s) if lean_upstream else None
-        )
+    def __init__(self, cfg: UpstreamConfig, upstream: Upstream, router: Router, registry: Registry,
+                 metrics: GatewayMetrics, hits: HitWindow, *, shared_state: bool) -> None:
+        """``shared_state``: several gateways share replica state (near-ties go to ``reserve``)."""
+        self.upstream = upstream
+        self.router = router
+        self.registry = registry
+        self.metrics = metrics
+        self.hits = hits
+        self.shared_state = shared_state
+        self.cfg = cfg
+        self.budget = RetryBudget(cfg.retry_budget_ratio, cfg.retry_budget_min)
+        self.poison = PoisonBodies(cfg.poison_ttl_s, cfg.poison_max_entries, time.monotonic)
 
-    def close(self) -> None:
-        """Close the kept-alive upstream connections (the httpx client is closed by its owner)."""
-        if self.upstream is not None:
-            self.upstream.close()
-
-    async def _send(self, replica: str, path: str, body: bytes,
-                    headers: list[tuple[bytes, bytes]]) -> ResponseLike:
-        if self.upstream is not None:
-            return await self.upstream.send(replica, path, body, headers)
-        request = httpx.Request("POST", self._url(replica, path), content=body, headers=headers)
-        return await self.gw.client.send(request, stream=True)
+    async def close(self) -> None:
+        await self.upstream.close()
 
     async def forward(self, ctx: RequestContext, path: str, body: bytes,
                       headers: list[tuple[bytes, bytes]], started_s: float) -> Response:
         """Route, send, relay; failures come back as OpenAI-shaped error responses."""
-        router = self.gw.router
+        router = self.router
         inputs = await router.snapshot(ctx)
-        tried: set[ReplicaId] = set()
         try:
             decision = router.decide(ctx, inputs)
         except NoRoutableReplica as exc:
             return error_response(NoReplicaAvailable(f"no replica can take this request ({exc})"),
                                   route_headers("none", "no-replica"))
-        retries = 0
-        while True:
-            decision, lease = await self._lease(decision, tried)
-            tried.add(decision.replica)
-            await router.routed(ctx, decision)
-            attempt = Attempt(ctx, decision, lease, started_s)
-            try:
-                may_retry = retries < self.max_retries
-                return await self._try(attempt, path, body, headers, frozenset(tried) if may_retry else None)
-            except Retryable as exc:
-                failure = exc
-                await self._failed(attempt, failure)
-            except BaseException:  # a bug or a cancellation: still release the load, then re-raise
-                await asyncio.shield(self._close(attempt, Outcome(ok=False, status=500)))
-                raise
-            if retries >= self.max_retries:
-                break
-            try:
-                decision = router.decide(ctx, inputs, frozenset(tried))
-            except NoRoutableReplica:
-                break
-            retries += 1
-            self.gw.metrics.retry(failure.reason)
+        self.budget.requests += 1
+        response: Response | None = None
+        try:
+            response = await self._attempts(ctx, inputs, decision, path, body, headers, started_s)
+            return response
+        finally:
+            if not isinstance(response, RelayResponse):  # a stream is counted until it ends
+                self.budget.requests -= 1
+
+    async def _attempts(self, ctx: RequestContext, inputs: RoutingInputs, decision: Decision, path: str,
+                        body: bytes, headers: list[tuple[bytes, bytes]], started_s: float) -> Response:
+        tries = Tries()
+        try:
+            while True:
+                decision, lease = await self._lease(decision, tries.tried)
+                tries.tried.add(decision.replica)
+                await self.router.routed(ctx, decision)
+                attempt = Attempt(ctx, decision, lease, started_s)
+                try:
+                    response = await self._try(attempt, path, body, headers)
+                except Failure as exc:
+                    failure = exc
+                except BaseException:  # a cancellation (client gone) or a bug: release the load, re-raise
+                    await asyncio.shield(self._close(attempt, Outcome(ok=False, status=CLIENT_CLOSED)))
+                    raise
+                else:
+                    self._judged(tries, response.status_code)
+                    return response
+                finally:
+                    self._release_retry(tries)
+                next_decision = self._after_failure(ctx, inputs, tries, attempt, failure, body)
+                if next_decision is None:
+                    return await self._give_up(attempt, failure)
+                await self._discard(attempt, failure)
+                tries.retries += 1
+                self.metrics.retry(failure.kind)
+                decision = next_decision
+        finally:
+            self._release_retry(tries)
+
+    def _release_retry(self, tries: Tries) -> None:
+        if tries.holding:
+            self.budget.release()
+            tries.holding = False
+
+    def _after_failure(self, ctx: RequestContext, inputs: RoutingInputs, tries: Tries, attempt: Attempt,
+                       failure: Failure, body: bytes) -> Decision | None:
+        """Blame (or not) the replica; the next decision, or None to give up."""
+        replica = attempt.decision.replica
+        if failure.kind == "status_5xx":
+            if tries.judge is not None:  # a second replica's 5xx: the request's own
+                self.poison.add(self._fingerprint(tries, body))
+                log.info("request %s: 5xx from %s and %s; relayed, no replica blamed", ctx.request_id,
+                         tries.judge, replica)
+                tries.judge = None
+                return None
+            if self._fingerprint(tries, body) in self.poison:
+                return None
+        elif failure.kind in BLAMED:
+            self.registry.report_failure(replica, failure.kind)
+        if not failure.retryable or tries.retries >= self.cfg.max_retries:
+            return None
+        decision = self._retry_decision(ctx, inputs, tries)
+        if decision is not None and failure.kind == "status_5xx":
+            tries.judge = replica
+        return decision
+
+    def _retry_decision(self, ctx: RequestContext, inputs: RoutingInputs, tries: Tries) -> Decision | None:
+        """The policy's next choice over routable replicas not tried yet, within the budget."""
+        exclude = tries.tried | {v.id for v in self.registry.views() if not v.routable}
+        if all(v.id in exclude for v in inputs.replicas):
+            return None
+        if not self.budget.try_acquire():
+            self.metrics.retry_budget_spent()
+            return None
+        try:
+            decision = self.router.decide(ctx, inputs, frozenset(exclude))
+        except NoRoutableReplica:
+            self.budget.release()
+            return None
+        tries.holding = True
+        return decision
+
+    def _judged(self, tries: Tries, status: int) -> None:
+        """Another replica answered after a 5xx: below 400 the first replica was to blame."""
+        if tries.judge is not None and status < 400:
+            self.registry.report_failure(tries.judge, "status_5xx")
+        tries.judge = None
+
+    @staticmethod
+    def _fingerprint(tries: Tries, body: bytes) -> int:
+        if tries.fingerprint is None:
+            tries.fingerprint = PoisonBodies.fingerprint(body)
+        return tries.fingerprint
+
+    async def _discard(self, attempt: Attempt, failure: Failure) -> None:
+        await self._close(attempt, Outcome(ok=False, status=failure.error.status))
+
+    async def _give_up(self, attempt: Attempt, failure: Failure) -> Response:
+        """No more attempts: the replica's own answer as it is, else the gateway's error."""
+        if failure.response is not None:
+            return await self._buffered(attempt, b"", failure.response.aiter_raw(), self._response_headers(attempt))
+        await self._close(attempt, Outcome(ok=False, status=failure.error.status))
         return error_response(failure.error, route_headers(attempt.decision.replica, attempt.decision.reason))
 
     async def _lease(self, decision: Decision, tried: set[ReplicaId]) -> tuple[Decision, LoadLease]:
@@ -160,75 +275,69 @@ class Proxy:
         which takes the least loaded over every gateway, so gateways seeing the same scores
         do not herd onto one replica. A clear preference (affinity, a long prefix match) is
         never overridden. The decision follows the replica actually reserved."""
-        registry = self.gw.registry
-        floor = decision.scores.get(decision.replica, 0.0) - self.reserve_margin
+        registry = self.registry
+        floor = decision.scores.get(decision.replica, 0.0) - self.cfg.reserve_margin
         others = sorted((r for r, score in decision.scores.items()
                          if score >= floor and r != decision.replica and r not in tried),
                         key=lambda r: -decision.scores[r])
-        if not self.gw.shared_state or not others:
+        if not self.shared_state or not others:
             return decision, registry.lease(decision.replica, decision.predicted_uncached_tokens)
         lease = await registry.reserve([decision.replica, *others], decision.predicted_uncached_tokens)
         if lease.replica != decision.replica:
             decision = dataclasses.replace(decision, replica=lease.replica, reason="reserve")
         return decision, lease
 
-    async def _failed(self, attempt: Attempt, failure: Retryable) -> None:
-        self.gw.registry.report_failure(attempt.decision.replica, failure.reason)
-        await self._close(attempt, Outcome(ok=False, status=failure.error.status))
-
-    async def _try(self, attempt: Attempt, path: str, body: bytes,
-                   headers: list[tuple[bytes, bytes]], tried: frozenset[ReplicaId] | None) -> Response:
-        """One attempt; ``tried`` is None on the last one (a 5xx is then relayed as is)."""
+    async def _try(self, attempt: Attempt, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> Response:
+        """One attempt up to its first body byte (raises ``Failure``), then the relay."""
         replica = attempt.decision.replica
+        stream = attempt.ctx.stream
+        cfg = self.cfg
         try:
-            async with asyncio.timeout(self.first_byte_timeout_s):
-                response = attempt.response = await self._send(replica, path, body, headers)
-                if response.status_code >= 500 and tried is not None and self._has_alternative(tried):
-                    raise Retryable(f"status_{response.status_code}", UpstreamError(
-                        f"replica {replica} answered {response.status_code}"))
-                chunks = response.aiter_raw()
+            async with asyncio.timeout(cfg.head_timeout_s if stream else cfg.total_timeout_s):
+                response = attempt.response = await self.upstream.send(replica, path, body, headers)
+        except (TimeoutError, UpstreamTimedOut) as exc:
+            raise self._timeout("head_timeout" if stream else "total_timeout", replica) from exc
+        except UpstreamFailure as exc:
+            raise self._broken(exc, replica) from exc
+        status = response.status_code
+        if status >= 500 or status == 429:
+            kind = f"status_{status}" if status in (429, 503) else "status_5xx"
+            raise Failure(kind, UpstreamError(f"replica {replica} answered {status}"), response)
+        chunks = response.aiter_raw()
+        wait_s = cfg.first_byte_timeout_s if stream else cfg.total_timeout_s - (time.perf_counter() - attempt.started_s)
+        try:
+            async with asyncio.timeout(max(wait_s, 0.0)):
                 first = await anext(chunks, b"")
-        except (TimeoutError, httpx.TimeoutException) as exc:
-            raise Retryable("timeout", UpstreamTimeout(f"replica {replica} timed out before answering")) from exc
-        except httpx.ConnectError as exc:
-            raise Retryable("connect", UpstreamError(f"cannot connect to replica {replica}")) from exc
-        except (httpx.TransportError, httpx.StreamError) as exc:
-            raise Retryable("disconnect", UpstreamError(
-                f"replica {replica} failed before answering ({type(exc).__name__})")) from exc
+        except (TimeoutError, UpstreamTimedOut) as exc:
+            raise self._timeout("first_byte_timeout" if stream else "total_timeout", replica) from exc
+        except UpstreamFailure as exc:
+            raise self._broken(exc, replica) from exc
         attempt.first_byte_s = time.perf_counter()
         attempt.lease.first_byte()
-        if response.status_code < 500:
-            self.gw.registry.report_success(replica)
-        else:
-            self.gw.registry.report_failure(replica, f"status_{response.status_code}")
         out_headers = self._response_headers(attempt)
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             attempt.sniffer = UsageSniffer()
-            return RelayResponse(self._relay(attempt, first, chunks), response.status_code, out_headers,
+            return RelayResponse(self._relay(attempt, first, chunks), status, out_headers,
                                  lambda: self._stream_closed(attempt))
         return await self._buffered(attempt, first, chunks, out_headers)
 
-    def _url(self, replica: str, path: str) -> httpx.URL:
-        """Parsed upstream URLs, cached (httpx's URL parsing is a visible cost per request)."""
-        key = (replica, path)
-        url = self._urls.get(key)
-        if url is None:
-            if len(self._urls) > 4096:
-                self._urls.clear()
-            url = self._urls[key] = httpx.URL(replica + path)
-        return url
+    @staticmethod
+    def _timeout(kind: str, replica: str) -> Failure:
+        return Failure(kind, UpstreamTimeout(f"replica {replica} timed out before answering ({kind})"))
 
-    def _has_alternative(self, tried: frozenset[ReplicaId]) -> bool:
-        return any(v.routable and v.id not in tried for v in self.gw.registry.views())
+    @staticmethod
+    def _broken(exc: UpstreamFailure, replica: str) -> Failure:
+        if isinstance(exc, ConnectFailed):
+            return Failure("connect", UpstreamError(f"cannot connect to replica {replica}"))
+        return Failure("disconnect", UpstreamError(f"replica {replica} failed before answering ({exc})"))
 
     def _response_headers(self, attempt: Attempt) -> list[tuple[bytes, bytes]]:
-        """The replica's headers minus hop-by-hop ones, plus the routing headers (raw)."""
+        """The replica's headers, cleaned, plus the routing headers (raw)."""
         assert attempt.response is not None
-        out = [(k, v) for k, v in attempt.response.headers.raw if k.lower() not in NOT_RELAYED]
         decision = attempt.decision
-        out += ((b"x-kvgate-replica", decision.replica.encode("latin-1")),
-                (b"x-kvgate-route-reason", decision.reason.encode("latin-1")))
-        return out
+        return [*downstream_headers(attempt.response.headers.raw),
+                (b"x-kvgate-replica", decision.replica.encode("latin-1")),
+                (b"x-kvgate-route-reason", decision.reason.encode("latin-1"))]
 
     async def _buffered(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes],
                         headers: list[tuple[bytes, bytes]]) -> Response:
@@ -236,36 +345,54 @@ class Proxy:
         status = attempt.response.status_code
         parts = [first]
         try:
-            async for chunk in chunks:
+            while True:
+                async with asyncio.timeout(self.cfg.read_timeout_s):
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
                 parts.append(chunk)
-        except (httpx.TransportError, httpx.StreamError) as exc:
-            await self._close(attempt, Outcome(ok=False, status=502, ttft_s=self._ttft(attempt)))
-            error = UpstreamError(f"replica {attempt.decision.replica} failed mid-response ({type(exc).__name__})")
-            return error_response(error, route_headers(attempt.decision.replica, attempt.decision.reason))
+        except (TimeoutError, UpstreamFailure) as exc:
+            what = "stalled" if isinstance(exc, (TimeoutError, UpstreamTimedOut)) else f"broke ({exc})"
+            return await self._broken_body(attempt, f"replica {attempt.decision.replica} {what} mid-response")
         body = b"".join(parts) if len(parts) > 1 else first
         usage: Usage = (None, None, None)
         if status == 200 and not any(k.lower() == b"content-encoding" for k, _ in headers):
             usage = usage_of_body(body)
         attempt.last_byte_s = time.perf_counter()
+        if status < 500:
+            self.registry.report_success(attempt.decision.replica)
         await self._close(attempt, self._outcome(attempt, status, usage))
         response = Response(status_code=status)
         response.body = body
         response.raw_headers = [*headers, (b"content-length", b"%d" % len(body))]
         return response
 
+    async def _broken_body(self, attempt: Attempt, message: str) -> Response:
+        self.registry.report_failure(attempt.decision.replica, "mid_body")
+        await self._close(attempt, Outcome(ok=False, status=502, ttft_s=self._ttft(attempt)))
+        return error_response(UpstreamError(message), route_headers(attempt.decision.replica,
+                                                                    attempt.decision.reason))
+
     async def _relay(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         sniffer = attempt.sniffer
         assert sniffer is not None
+        stall_s = self.cfg.stall_timeout_s
         last = first
         yield first
         sniffer.feed(first)
         try:
-            async for chunk in chunks:
+            while True:
+                async with asyncio.timeout(stall_s):
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
                 yield chunk
                 sniffer.feed(chunk)
                 last = chunk
-        except (httpx.TransportError, httpx.StreamError) as exc:
-            attempt.stream_error = f"replica {attempt.decision.replica} failed mid-stream ({type(exc).__name__})"
+        except (TimeoutError, UpstreamFailure) as exc:
+            what = f"stalled for {stall_s:g} s" if isinstance(exc, (TimeoutError, UpstreamTimedOut)) \
+                else f"failed mid-stream ({exc})"
+            attempt.stream_error = f"replica {attempt.decision.replica} {what}"
             yield (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error(attempt.stream_error)
             return
         finally:
@@ -275,14 +402,19 @@ class Proxy:
     async def _stream_closed(self, attempt: Attempt) -> None:
         """End of a relayed stream: complete, broken upstream, or client gone."""
         assert attempt.response is not None and attempt.sniffer is not None
+        self.budget.requests -= 1
         status = attempt.response.status_code
+        replica = attempt.decision.replica
         if attempt.complete:
+            self.registry.report_success(replica)
             outcome = self._outcome(attempt, status, attempt.sniffer.usage())
         else:
             status = 502 if attempt.stream_error else CLIENT_CLOSED
+            if attempt.stream_error:
+                self.registry.report_failure(replica, "mid_stream")
             outcome = Outcome(ok=False, status=status, ttft_s=self._ttft(attempt))
         await self._close(attempt, outcome)
-        self.gw.request_done(attempt.ctx.endpoint, status, attempt.started_s)
+        self.metrics.request_done(attempt.ctx.endpoint, status, time.perf_counter() - attempt.started_s)
 
     @staticmethod
     def _ttft(attempt: Attempt) -> float | None:
@@ -301,12 +433,12 @@ class Proxy:
         attempt.lease.release()
         if attempt.response is not None:
             await attempt.response.aclose()
-        metrics = self.gw.metrics
+        metrics = self.metrics
         metrics.usage(outcome.prompt_tokens, outcome.cached_tokens)
-        self.gw.hits.record(attempt.decision.replica, outcome.cached_tokens)  # scale-in: recent hits
+        self.hits.record(attempt.decision.replica, outcome.cached_tokens)  # scale-in: recent hits
         itl = None
         if (attempt.sniffer is not None and outcome.completion_tokens and outcome.completion_tokens > 1
                 and attempt.first_byte_s is not None and attempt.last_byte_s is not None):
             itl = (attempt.last_byte_s - attempt.first_byte_s) / (outcome.completion_tokens - 1)
         metrics.timing(outcome.ttft_s, itl)
-        await self.gw.router.completed(attempt.ctx, attempt.decision, outcome)
+        await self.router.completed(attempt.ctx, attempt.decision, outcome)

@@ -7,14 +7,16 @@
 - ``UsageSniffer``: keeps the last complete SSE line mentioning ``"usage"`` while a stream
   is relayed, parses it once at the end.
 - ``sse_error``: the event sent when a stream breaks after the first byte.
-- headers: ``upstream_headers`` (the client's, minus hop-by-hop ones), the routing
-  headers; ``json_response`` / ``error_response`` (OpenAI-shaped errors).
+- headers: ``upstream_headers`` (the client's, cleaned: hop-by-hop, ``Expect``,
+  ``x-kvgate-*``, credentials; ``X-Forwarded-*`` added), ``downstream_headers`` (the
+  replica's, cleaned), the routing headers; ``json_response`` / ``error_response`` (OpenAI-shaped errors).
 - ``RelayResponse``: a StreamingResponse whose cleanup always runs (end, error, client
   disconnect), shielded from cancellation.
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import anyio
 import orjson
@@ -22,18 +24,89 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError, UpstreamError
+from gateway.upstream_config import UpstreamConfig
 
 HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-    b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
 })
 # response headers the gateway's own server sets
 NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}
+_OWN_PREFIX = b"x-kvgate-"  # the gateway's own headers: never taken from a client or a replica
 
 
-def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The client's headers as sent to the replica (hop-by-hop ones dropped)."""
-    return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP]
+@dataclass(frozen=True, slots=True)
+class HeaderPolicy:
+    """What ``upstream_headers`` does with credentials (``upstream.forward_authorization``,
+    ``upstream.replica_api_key``)."""
+
+    forward_authorization: bool = False
+    replica_authorization: bytes | None = None  # b"Bearer <key>", sent to every replica
+
+    @classmethod
+    def from_config(cls, config: UpstreamConfig) -> HeaderPolicy:
+        key = config.replica_api_key
+        return cls(config.forward_authorization,
+                   None if key is None else b"Bearer " + key.get_secret_value().encode("latin-1"))
+
+
+def _connection_named(raw: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names listed in ``Connection:`` (hop-by-hop by declaration, RFC 9110 7.6.1)."""
+    named = [t.strip().lower() for k, v in raw if k.lower() == b"connection" for t in v.split(b",")]
+    return frozenset(n for n in named if n)
+
+
+def _drop(name: bytes, named: frozenset[bytes]) -> bool:
+    return name in HOP_BY_HOP or name in named or name.startswith((b"proxy-", _OWN_PREFIX))
+
+
+def upstream_headers(raw: list[tuple[bytes, bytes]], policy: HeaderPolicy = HeaderPolicy(),
+                     client: str | None = None, scheme: str = "http") -> list[tuple[bytes, bytes]]:
+    """The client's headers as sent to the replica.
+
+    Dropped: hop-by-hop headers (``HOP_BY_HOP``, every ``proxy-*``, every header named in
+    the client's ``Connection:``), ``Expect`` (the gateway has read the whole body already;
+    a replica's ``100 Continue`` must not be awaited), the client's ``x-kvgate-*``, and the
+    client's ``Authorization`` unless ``policy.forward_authorization`` (a configured
+    replica key replaces it). ``client`` is appended to ``X-Forwarded-For``;
+    ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` are set when the client sent none."""
+    named = _connection_named(raw)
+    keep_auth = policy.forward_authorization and policy.replica_authorization is None
+    out: list[tuple[bytes, bytes]] = []
+    forwarded_for: list[bytes] = []
+    host = b""
+    proto = fhost = False
+    for k, v in raw:
+        name = k.lower()
+        if name == b"host":
+            host = v
+        if _drop(name, named) or (name == b"authorization" and not keep_auth):
+            continue
+        if name == b"x-forwarded-for":
+            forwarded_for.append(v)
+            continue
+        proto = proto or name == b"x-forwarded-proto"
+        fhost = fhost or name == b"x-forwarded-host"
+        out.append((k, v))
+    if client:
+        forwarded_for.append(client.encode("latin-1"))
+    if forwarded_for:
+        out.append((b"x-forwarded-for", b", ".join(forwarded_for)))
+    if not proto:
+        out.append((b"x-forwarded-proto", scheme.encode("latin-1")))
+    if host and not fhost:
+        out.append((b"x-forwarded-host", host))
+    if policy.replica_authorization is not None:
+        out.append((b"authorization", policy.replica_authorization))
+    return out
+
+
+def downstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The replica's response headers as relayed: hop-by-hop ones (also those its
+    ``Connection:`` names), ``date``/``server`` (the gateway's server sets them) and any
+    ``x-kvgate-*`` dropped."""
+    named = _connection_named(raw)
+    return [(k, v) for k, v in raw if not _drop(k.lower(), named) and k.lower() not in NOT_RELAYED]
 
 
 def route_headers(replica: str, reason: str) -> dict[str, str]:

@@ -11,30 +11,56 @@ replica is the policy's own second choice (its filters still apply: a draining r
 never becomes a fallback).
 
 A failing index (Redis down or slow) degrades routing, never the request: the failed
-read is replaced by an empty answer (no prefix match, no session), the failed write is
-dropped, and ``kvgate_index_degraded_total`` counts it.
+read is replaced by an empty answer (no prefix match), the failed write is dropped, and
+``kvgate_index_degraded_total`` counts it. A failed session read is answered from
+``LocalSessions``, the router's own bounded LRU of where it sent each session last
+(updated on every routed and completed request), so an index that raises keeps session
+affinity. (The Redis backend does not raise: it answers from its local copy, which also
+holds the other gateways' sessions, ``prefix_index/redis_sessions.py``.)
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from gateway.metrics import GatewayMetrics
 from policies.base import Decision, Outcome, Policy, RequestContext, RoutingInputs
+from policies.routing import RoutingCore
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
 from replicas.model import ReplicaState, ReplicaView
 
 log = logging.getLogger("kvgate.router")
 T = TypeVar("T")
 
-NO_MATCH = PrefixMatch()
-RESIDENT_CACHE_S = 1.0
-"""How long the fleet's resident working set (a sum over live sessions) is reused."""
+LOCAL_SESSIONS = 100_000
+"""Sessions the router remembers itself (~370 B each: ~37 MB at most): every session
+active within the last hour of a gateway serving ~30 new sessions a second."""
+
+
+class LocalSessions:
+    """Session key -> the last routing this process made for it; least recently used
+    evicted beyond ``max_sessions``. No expiry: the fallback for an index that fails."""
+
+    def __init__(self, max_sessions: int = LOCAL_SESSIONS) -> None:
+        self._max = max(max_sessions, 1)
+        self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
+
+    def get(self, key: str | None) -> SessionEntry | None:
+        return None if key is None else self._entries.get(key)
+
+    def put(self, key: str, entry: SessionEntry) -> None:
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        if len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class Router:
@@ -48,15 +74,15 @@ class Router:
         resident_window_s: float,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
+        local_sessions: int = LOCAL_SESSIONS,
     ) -> None:
         self.policy = policy
         self.index = index
         self._views = views
         self.metrics = metrics
-        self.resident_window_s = resident_window_s
-        self.rng = rng
+        self.core = RoutingCore(policy, rng, resident_window_s=resident_window_s)
         self.clock = clock
-        self._resident_cache: tuple[float, Mapping[ReplicaId, int]] | None = None
+        self.sessions = LocalSessions(local_sessions)
 
     async def _guarded(self, what: str, call: Awaitable[T], fallback: T) -> T:
         try:
@@ -65,6 +91,14 @@ class Router:
             self.metrics.index_degraded.inc()
             log.warning("index %s failed (%s: %s); routing without it", what, type(exc).__name__, exc)
             return fallback
+
+    async def _hook(self, what: str, call: Awaitable[None]) -> None:
+        """A policy hook: its failure is the policy's (a bug), logged and counted, never the request's."""
+        try:
+            await call
+        except Exception:
+            self.metrics.policy_error(what)
+            log.exception("policy hook %s failed", what)
 
     async def snapshot(self, ctx: RequestContext) -> RoutingInputs:
         """Everything the policy reads, taken once per request.
@@ -79,66 +113,50 @@ class Router:
         now_s = self.clock()
         ids = [v.id for v in self._views()]
         empty: dict[ReplicaId, PrefixMatch] = {}
+        core = self.core
+        fresh = core.resident_fresh(now_s)
         matches, session, parent, resident = await asyncio.gather(
             self._guarded("match", self.index.match(ctx.block_hashes, ids), empty)
             if ctx.block_hashes and ids else _value(empty),
-            self._guarded("get_session", self.index.get_session(ctx.session.session), None)
-            if ctx.session.session is not None else _none(),
-            self._guarded("get_session", self.index.get_session(ctx.session.parent), None)
-            if ctx.session.parent is not None else _none(),
-            self._resident(now_s),
+            self._session(ctx.session.session),
+            self._session(ctx.session.parent),
+            _value(fresh) if fresh is not None else self._guarded(
+                "resident_tokens", self.index.resident_tokens(now_s, core.resident_window_s), {}),
         )
-        replicas = tuple(self._views())
-        if self._resident_cache is not None:
-            resident = self._resident_cache[1]  # includes decisions made while we awaited
-        return RoutingInputs(
-            replicas=replicas,
-            matches={v.id: matches.get(v.id, NO_MATCH) for v in replicas},
-            session=session, parent_session=parent, resident_tokens=resident, now_s=now_s,
-        )
+        if fresh is None:
+            core.store_resident(now_s, resident)
+        return core.inputs(ctx, tuple(self._views()), matches, session, parent, now_s)
 
-    async def _resident(self, now_s: float) -> Mapping[ReplicaId, int]:
-        if self._resident_cache is not None and now_s - self._resident_cache[0] < RESIDENT_CACHE_S:
-            return self._resident_cache[1]
-        resident: Mapping[ReplicaId, int] = await self._guarded(
-            "resident_tokens", self.index.resident_tokens(now_s, self.resident_window_s), {}
-        )
-        self._resident_cache = (now_s, resident)
-        return resident
+    async def _session(self, key: str | None) -> SessionEntry | None:
+        """The index's entry for the session; this router's own if the index fails."""
+        if key is None:
+            return None
+        return await self._guarded("get_session", self.index.get_session(key), self.sessions.get(key))
 
     def decide(
         self, ctx: RequestContext, inputs: RoutingInputs, exclude: frozenset[ReplicaId] = frozenset()
     ) -> Decision:
         """The policy's choice among replicas not in ``exclude``; raises NoRoutableReplica."""
-        if exclude:
-            inputs = dataclasses.replace(
-                inputs, replicas=tuple(v for v in inputs.replicas if v.id not in exclude)
-            )
-        decision = self.policy.decide(ctx, inputs, self.rng)
+        decision = self.core.decide(ctx, inputs, exclude)
         self.metrics.routed(decision.policy, decision.reason, decision.predicted_cached_tokens)
         return decision
 
     async def routed(self, ctx: RequestContext, decision: Decision) -> None:
         """Right after the lease, before anything yields: account, then run the hooks."""
-        self._account_resident(ctx, decision)
-        await self._guarded("on_routed", self.policy.on_routed(ctx, decision, self.index, self.clock()), None)
-
-    def _account_resident(self, ctx: RequestContext, decision: Decision) -> None:
-        """Keep the cached resident set current between refreshes: a session just routed
-        is resident on its replica now (sequential new sessions must see each other)."""
-        if self._resident_cache is None or ctx.session.session is None:
-            return
-        taken_s, resident = self._resident_cache
-        updated = dict(resident)
-        updated[decision.replica] = updated.get(decision.replica, 0) + ctx.est_prompt_tokens + (ctx.max_tokens or 0)
-        self._resident_cache = (taken_s, updated)
+        self.core.account(ctx, decision)
+        now_s = self.clock()
+        if ctx.session.session is not None:
+            tokens = ctx.est_prompt_tokens + (ctx.max_tokens or 0)
+            self.sessions.put(ctx.session.session, SessionEntry(decision.replica, tokens, now_s))
+        await self._hook("on_routed", self.policy.on_routed(ctx, decision, self.index, now_s))
 
     async def completed(self, ctx: RequestContext, decision: Decision, outcome: Outcome) -> None:
-        await self._guarded(
-            "on_completed",
-            self.policy.on_completed(ctx, decision, outcome, self.index, self.clock()),
-            None,
-        )
+        key, mine = ctx.session.session, self.sessions.get(ctx.session.session)
+        if key is not None and outcome.ok and outcome.prompt_tokens is not None and (
+                mine is None or mine.replica == decision.replica):  # not moved by a later turn
+            tokens = outcome.prompt_tokens + (outcome.completion_tokens or 0)
+            self.sessions.put(key, SessionEntry(decision.replica, tokens, self.clock()))
+        await self._hook("on_completed", self.policy.on_completed(ctx, decision, outcome, self.index, self.clock()))
 
 
 
@@ -201,7 +219,3 @@ class FleetListener:
 
 async def _value(value: T) -> T:
     return value
-
-
-async def _none() -> SessionEntry | None:
-    return None

@@ -16,6 +16,7 @@ start-up, passed explicitly, and logged with secrets redacted (``redacted_dump``
 """
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -23,18 +24,66 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml  # type: ignore[import-untyped]
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.sources import InitSettingsSource
 
 from gateway.context import HashingConfig, SessionConfig
 from gateway.scaling import ScaleConfig
+from gateway.upstream_config import UpstreamConfig
 from policies.config import PolicyConfig
 from prefix_index.config import IndexConfig
 from replicas.config import RegistryConfig
 
 POLICIES_NEEDING_ROUTING_TEXT = frozenset({"sglang-cache-aware"})
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+# old top-level name -> (section, field): still accepted from files, flags and --set
+MOVED_FIELDS = {"admin_token": ("admin", "token"), "keep_alive_timeout_s": ("server", "keep_alive_timeout_s")}
+
+
+class ServerConfig(BaseModel):
+    """The client side of the gateway process: deadlines and caps (``gateway/server.py``)."""
+
+    keep_alive_timeout_s: float = Field(
+        default=75.0, gt=0,
+        description="close a client's idle keep-alive connection after this; longer than clients' "
+        "own idle expiry (httpx/openai 5 s, load balancers 60 s) so the client always closes first "
+        "and never sends a request on a connection the gateway is closing",
+    )
+    idle_timeout_s: float = Field(
+        default=10.0, gt=0, description="close a new connection that has sent no byte of a request after this")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="request line and headers must arrive within this of their first byte "
+        "(else 408 and the connection is closed)")
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="the whole request body must arrive within this of the end of the "
+        "headers (else 408, the connection is closed and the request sees a disconnect)")
+    max_connections: int = Field(
+        default=4096, ge=1, description="open client connections; at the cap a new connection evicts the "
+        "longest-idle keep-alive one, or gets 503 when none is idle. Clamped below the process's open-file "
+        "limit (RLIMIT_NOFILE) minus the upstream pool and a margin")
+    max_concurrent_requests: int = Field(
+        default=2048, ge=1, description="requests in progress; beyond it 503 (OpenAI-shaped, Retry-After). "
+        "GET /health, /ready and /metrics are never refused")
+    shutdown_grace_s: float = Field(
+        default=300.0, ge=0, description="on SIGTERM: /ready turns 503 at once, connections are still "
+        "accepted, requests in flight get this long; streams still open then end with an SSE error event "
+        "(keep below the pod's terminationGracePeriodSeconds, 330)")
+
+
+class AdminConfig(BaseModel):
+    """The admin API: always authenticated; optionally on a listener of its own."""
+
+    token: SecretStr | None = Field(default=None, description="bearer token for /admin/*")
+    token_file: Path | None = Field(
+        default=None, description="read the token from this file at start-up (a mounted Secret)")
+    generated_token_dir: Path | None = Field(
+        default=None, description="with neither token nor token_file: where the generated token is written "
+        "(mode 0600, admin-token-<port>); None: $XDG_RUNTIME_DIR/kvgate, else ~/.cache/kvgate")
+    host: str | None = Field(default=None, description="address of the admin listener (None: the main host)")
+    port: int | None = Field(
+        default=None, ge=0, le=65535, description="None: /admin/* on the main listener; a port: a separate "
+        "listener serving only /admin/* (and the main port none of it)")
 
 
 class Settings(BaseSettings):
@@ -46,44 +95,35 @@ class Settings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
-    admin_token: SecretStr | None = Field(
-        default=None, description="bearer token for /admin/* (None: admin API open)"
-    )
     log_level: LogLevel = Field(default="info", description="log level of the gateway process")
-    connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect to a replica")
-    first_byte_timeout_s: float = Field(
-        default=300.0, gt=0,
-        description="from sending a request to the replica's first body byte (covers queueing + prefill); "
-        "a request that times out before its first byte is retried elsewhere",
-    )
-    read_timeout_s: float = Field(
-        default=120.0, gt=0,
-        description="longest silence on an upstream connection (every read, before and after the first byte)",
-    )
-    max_retries: int = Field(
-        default=2, ge=0, description="extra attempts on other replicas when one fails before the first byte"
-    )
-    reserve_margin: float = Field(
-        default=0.05, ge=0, le=1,
-        description="shared state only: replicas scoring within this of the policy's pick are interchangeable; "
-        "reserve() takes the least loaded of them across gateways (0: always the pick)",
-    )
-    max_connections: int = Field(
-        default=1024, ge=1, description="upstream connection pool size (all replicas), keep-alive"
-    )
-    keep_alive_timeout_s: float = Field(
-        default=75.0, gt=0,
-        description="close a client's idle keep-alive connection after this; longer than clients' "
-        "own idle expiry (httpx/openai 5 s, load balancers 60 s) so the client always closes first "
-        "and never sends a request on a connection the gateway is closing",
-    )
 
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     hashing: HashingConfig = Field(default_factory=HashingConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        """Accept the names of fields that moved into a section (``admin_token`` ->
+        ``admin.token``, ``keep_alive_timeout_s`` -> ``server.keep_alive_timeout_s``);
+        the section's own value wins when both are given."""
+        if not isinstance(data, dict) or not MOVED_FIELDS.keys() & data.keys():
+            return data
+        data = dict(data)
+        for old, (section, name) in MOVED_FIELDS.items():
+            if old in data:
+                value = data.pop(old)
+                target = data.get(section)
+                target = dict(target) if isinstance(target, Mapping) else {}
+                target.setdefault(name, value)
+                data[section] = target
+        return data
 
     @model_validator(mode="after")
     def _routing_text_when_needed(self) -> Settings:
@@ -93,13 +133,13 @@ class Settings(BaseSettings):
         return self
 
     def admin_token_value(self) -> str | None:
-        return None if self.admin_token is None else self.admin_token.get_secret_value()
+        return None if self.admin.token is None else self.admin.token.get_secret_value()
 
     def redacted_dump(self) -> dict[str, Any]:
         """The effective configuration as JSON-able data, secrets replaced by ``***``."""
         data: dict[str, Any] = self.model_dump(mode="json")
-        if self.admin_token is not None:
-            data["admin_token"] = "***"
+        if self.admin.token is not None:
+            data["admin"]["token"] = "***"
         redacted = _redact_urls(data)
         assert isinstance(redacted, dict)
         return redacted
@@ -119,19 +159,84 @@ def _redact_urls(value: Any) -> Any:
     return value
 
 
+class ConfigError(ValueError):
+    """A configuration problem in one line: the file, the line when known, the field."""
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a TOML or YAML config file into the nested dict the settings expect."""
     suffix = path.suffix.lower()
-    text = path.read_text(encoding="utf-8")
-    if suffix == ".toml":
-        data: Any = tomllib.loads(text)
-    elif suffix in (".yaml", ".yml"):
-        data = yaml.safe_load(text) or {}
-    else:
-        raise ValueError(f"config file {path}: expected .toml, .yaml or .yml")
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigError(f"config file {path}: expected .toml, .yaml or .yml")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        data: Any = tomllib.loads(text) if suffix == ".toml" else (yaml.safe_load(text) or {})
+    except tomllib.TOMLDecodeError as exc:
+        found = re.search(r"\(at line (\d+), column (\d+)\)", str(exc))
+        where = f", line {found[1]}" if found else ""
+        message = str(exc).replace(found[0], f"(column {found[2]})") if found else str(exc)
+        raise ConfigError(f"config file {path}{where}: {message}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = "" if mark is None else f", line {mark.line + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path}{where}: {problem}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path}: top level must be a table/mapping")  # noqa: TRY004
+        raise ConfigError(f"config file {path}: top level must be a table/mapping")
     return data
+
+
+def _file_line(path: Path, keys: list[str]) -> int | None:
+    """The line of ``path`` that sets the field ``keys`` (or its deepest section), if any."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".toml":
+        return _toml_line(text, keys)
+    node: Any = yaml.compose(text)
+    found: int | None = None
+    for key in keys:
+        pairs = node.value if isinstance(node, yaml.MappingNode) else []
+        match = next(((k, v) for k, v in pairs if k.value == key), None)
+        if match is None:
+            break
+        found, node = match[0].start_mark.line + 1, match[1]
+    return found
+
+
+def _toml_line(text: str, keys: list[str]) -> int | None:
+    table: list[str] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        header = re.match(r"\[\[?([^\]]+)\]", line)
+        key = None if header else re.match(r"([\w.\"' -]+?)\s*=", line)
+        found = header or key
+        names = [k.strip().strip("\"'") for k in found[1].split(".")] if found else []
+        if header:
+            table = names
+        elif key and keys[:len(table) + len(names)] == table + names:
+            return number
+    return None
+
+
+def _validation_message(exc: ValidationError, config_file: Path | None, file_data: dict[str, Any]) -> str:
+    """The first error of a failed validation as one line, naming the field and the file line."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+    keys = [str(p) for p in first["loc"]]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    text = f"field {'.'.join(keys) or '(settings)'}: {first['msg']}{more}"
+    node: Any = file_data
+    for key in keys:  # the value came from the file if the file has this field
+        if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            node = node.get(key) if isinstance(node, dict) else None
+    if config_file is None or node is None:
+        return text
+    line = _file_line(config_file, keys)
+    return f"config file {config_file}{'' if line is None else f', line {line}'}: {text}"
 
 
 def load_settings(
@@ -139,7 +244,8 @@ def load_settings(
 ) -> Settings:
     """Build the settings: ``overrides`` (CLI flags) > environment > config file > defaults.
 
-    ``overrides`` is nested like the settings (``{"registry": {"replicas": [...]}}``).
+    ``overrides`` is nested like the settings (``{"registry": {"replicas": [...]}}``). Any
+    problem raises ``ConfigError`` (a ``ValueError``) with a one-line message.
     """
     file_data = read_config_file(config_file) if config_file is not None else {}
 
@@ -155,11 +261,22 @@ def load_settings(
             dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, InitSettingsSource(settings_cls, file_data))
+            return (init_settings, env_settings, InitSettingsSource(settings_cls, _legacy_env()),
+                    InitSettingsSource(settings_cls, file_data))
 
-    loaded = _Loaded(**dict(overrides or {}))
+    try:
+        loaded = _Loaded(**dict(overrides or {}))
+    except ValidationError as exc:
+        raise ConfigError(_validation_message(exc, config_file, file_data)) from None
     # a plain Settings (no env re-read): every field already resolved above
     return Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
+
+
+def _legacy_env() -> dict[str, Any]:
+    """``KVGATE_ADMIN_TOKEN`` (the variable before the ``admin`` section; ``kvgate drain``
+    reads it too) still sets ``admin.token``, below ``KVGATE_ADMIN__TOKEN``."""
+    token = os.environ.get("KVGATE_ADMIN_TOKEN")
+    return {"admin": {"token": token}} if token else {}
 
 
 def set_path(target: dict[str, Any], dotted: str, value: Any) -> None:

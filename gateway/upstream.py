@@ -1,38 +1,60 @@
-"""A lean HTTP/1.1 client to the replicas: asyncio protocol + httptools, keep-alive pool.
+"""The HTTP client of the request path: aiohttp behind a small ``Upstream`` Protocol.
 
-Why not httpx here: per request, httpx (client, httpcore pool, h11, anyio streams,
-cancel scopes) cost the gateway several times its own routing logic (a profile of a
-small request: ~25% of the gateway's CPU in httpx/httpcore/h11/anyio, the routing itself
-under 10%). The proxy's needs are narrow: POST the original body bytes to
-``http://host:port/path`` over a kept-alive connection, hand back the status, the raw
-headers and the body chunks as they arrive. That is what this module does, and only
-that (no redirects, cookies, proxies, TLS, HTTP/2; a replica is a plain http URL).
+The proxy sends the original body bytes to ``replica + path`` and reads the answer as
+raw bytes. Production uses ``AiohttpUpstream``: one ``aiohttp.ClientSession`` per
+gateway process, a bounded ``TCPConnector`` (``upstream.max_connections`` in all,
+``upstream.max_connections_per_replica`` per replica, idle connections closed after
+``upstream.keepalive_timeout_s``, under uvicorn's 5 s, so the gateway never writes into a
+connection the replica is closing), no decompression, no headers of its own (no
+user-agent, accept, accept-encoding, content-type), raw byte streaming
+(``content.readany``). aiohttp reads informational answers (``100 Continue``, ``103
+Early Hints``) and skips them, reads close-delimited bodies to the end, and returns a
+connection to the pool only after a complete response: an unfinished or cancelled one
+closes its connection, so the replica sees the disconnect (SGLang then aborts the
+request). ``HttpxUpstream`` adapts an ``httpx.AsyncClient`` (unit tests inject an
+``httpx.MockTransport`` there).
 
-Errors are httpx's exception types, so the proxy's failover logic is the same for both
-clients: ``httpx.ConnectError`` / ``httpx.ConnectTimeout`` (cannot connect),
-``httpx.ReadTimeout`` (no byte for ``read_timeout_s``), ``httpx.RemoteProtocolError``
-(connection closed or malformed response). The objects returned mimic the part of
-``httpx.Response`` the proxy uses (``status_code``, ``headers.get/raw``, ``aiter_raw``,
-``aclose``), so the proxy keeps using httpx when a test injects a transport.
+Timeouts of the phases (head, first byte, stall, total) are the proxy's own, so both
+implementations only bound the TCP connect. Failures come back as one small hierarchy,
+whatever the client library:
 
-Connections: one pool of idle connections per ``host:port``; a connection goes back to
-the pool only after a complete response on a keep-alive connection. Idle connections
-expire after ``keepalive_expiry_s`` (default 4 s, under uvicorn's 5 s keep-alive
-timeout, so the gateway never writes into a connection the replica is closing). A
-reused connection that fails before any response byte is retried once on a new
-connection (the replica closed it; the request was not processed).
+    UpstreamFailure            the exchange with a replica failed
+     +-- ConnectFailed         no connection (refused, unreachable, connect timeout,
+     |                         bad URL): nothing reached the replica
+     +-- Disconnected          the connection broke, or the answer was malformed
+     +-- UpstreamTimedOut      a transport-level timeout (raised by httpx stubs)
+
+Retry bookkeeping lives here too, beside the client it guards: ``RetryBudget`` (Envoy's
+retry budget: retries in flight <= max(``retry_budget_min``, ``retry_budget_ratio`` x
+requests in flight)) and ``PoisonBodies`` (bodies two replicas answered 5xx, by xxh3,
+a bounded LRU with a TTL: their copies are not retried).
 """
 from __future__ import annotations
 
-import asyncio
-import time
-from collections import deque
 from collections.abc import AsyncIterator
-from typing import Protocol, cast
-from urllib.parse import urlsplit
+from typing import Protocol
 
-import httptools
+import aiohttp
 import httpx
+from yarl import URL
+
+from gateway.upstream_config import UpstreamConfig
+
+
+class UpstreamFailure(Exception):
+    """The exchange with a replica failed; the subclass says how."""
+
+
+class ConnectFailed(UpstreamFailure):
+    """No connection to the replica: nothing was sent."""
+
+
+class Disconnected(UpstreamFailure):
+    """The connection broke (reset, closed early) or the response was malformed."""
+
+
+class UpstreamTimedOut(UpstreamFailure):
+    """A transport-level read timeout (only the httpx adapter raises it)."""
 
 
 class HeadersLike(Protocol):
@@ -43,7 +65,7 @@ class HeadersLike(Protocol):
 
 
 class ResponseLike(Protocol):
-    """What the proxy reads of a response: ``httpx.Response`` and ``gateway.upstream``'s."""
+    """A response whose head has arrived; the body is read with ``aiter_raw``."""
 
     @property
     def status_code(self) -> int: ...
@@ -51,12 +73,22 @@ class ResponseLike(Protocol):
     @property
     def headers(self) -> HeadersLike: ...
 
-    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body chunks as they arrive; raises ``UpstreamFailure`` if the body breaks."""
+        ...
 
-    async def aclose(self) -> None: ...
+    async def aclose(self) -> None:
+        """Release the connection (back to the pool only after a complete body)."""
+        ...
 
 
-READ_HIGH_WATER = 1 << 20  # pause reading from a replica beyond 1 MB not yet relayed
+class Upstream(Protocol):
+    async def send(self, replica: str, path: str, body: bytes,
+                   headers: list[tuple[bytes, bytes]]) -> ResponseLike:
+        """POST ``body`` to ``replica + path``; returns once the final response head arrived."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 class RawHeaders:
@@ -75,218 +107,122 @@ class RawHeaders:
         return default
 
 
-class Connection(asyncio.Protocol):
-    """One kept-alive connection; parses one response at a time."""
+class _AiohttpResponse:
+    __slots__ = ("_response", "headers", "status_code")
 
-    def __init__(self, key: tuple[str, int]) -> None:
-        self.key = key
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.idle_since_s = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.chunks: deque[bytes] = deque()
-        self.buffered = 0
-        self.head_done = False
-        self.complete = False
-        self.keep_alive = False
-        self.got_bytes = False
-        self.error: Exception | None = None
-        self.waiter: asyncio.Future[None] | None = None
-
-    # asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed response from replica: {exc}"))
-            self.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if not self.complete:
-            self._fail(httpx.RemoteProtocolError("replica closed the connection"))
-
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self.head_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > READ_HIGH_WATER and self.transport is not None:
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
-        self.complete = True
-        self._wake()
-
-    def _fail(self, error: Exception) -> None:
-        if self.error is None:
-            self.error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self, timeout_s: float) -> None:
-        """Until the protocol has news (headers, a chunk, the end, an error)."""
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self.waiter
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout(f"no data from replica for {timeout_s} s") from exc
-        finally:
-            self.waiter = None
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-
-class UpstreamResponse:
-    """One response being read from a connection (the subset of ``httpx.Response`` used)."""
-
-    def __init__(self, pool: UpstreamPool, conn: Connection) -> None:
-        self._pool = pool
-        self._conn: Connection | None = conn
-        self.status_code = conn.parser.get_status_code()
-        self.headers = RawHeaders(conn.headers)
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status_code = response.status
+        self.headers = RawHeaders(list(response.raw_headers))
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        conn = self._conn
-        assert conn is not None
-        timeout_s = self._pool.read_timeout_s
+        content = self._response.content
         while True:
-            if conn.chunks:
-                chunk = conn.chunks.popleft()
-                if conn.buffered > READ_HIGH_WATER >= conn.buffered - len(chunk) and conn.transport is not None:
-                    conn.transport.resume_reading()
-                conn.buffered -= len(chunk)
-                yield chunk
-            elif conn.complete:
+            try:
+                chunk = await content.readany()
+            except aiohttp.ClientError as exc:
+                raise Disconnected(f"{type(exc).__name__}: {exc}") from exc
+            if not chunk:
                 return
-            elif conn.error is not None:
-                raise conn.error
-            else:
-                await conn.wait(timeout_s)
+            yield chunk
 
     async def aclose(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if conn.complete and not conn.chunks and not conn.closed and conn.keep_alive:
-            self._pool.release(conn)
+        response = self._response
+        if response.content.is_eof() and not response.closed:
+            response.release()
         else:
-            conn.close()
+            response.close()
 
 
-class UpstreamPool:
-    """Kept-alive connections to the replicas, by ``host:port``."""
+class AiohttpUpstream:
+    """The production client (see the module docstring); the session is made on first use,
+    inside the running event loop."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_idle_per_host: int = 64,
-                 keepalive_expiry_s: float = 4.0) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.max_idle_per_host = max_idle_per_host
-        self.keepalive_expiry_s = keepalive_expiry_s
-        self._idle: dict[tuple[str, int], list[Connection]] = {}
-        self._hosts: dict[str, tuple[tuple[str, int], bytes]] = {}
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[tuple[str, str], URL] = {}
 
-    def _target(self, base_url: str) -> tuple[tuple[str, int], bytes]:
-        target = self._hosts.get(base_url)
-        if target is None:
-            parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise httpx.UnsupportedProtocol(f"replica URL must be http://host:port, got {base_url!r}")
-            port = parts.port or 80
-            if len(self._hosts) > 4096:
-                self._hosts.clear()
-            target = self._hosts[base_url] = ((parts.hostname, port), parts.netloc.encode("idna"))
-        return target
+    def _make_session(self) -> aiohttp.ClientSession:
+        c = self.config
+        connector = aiohttp.TCPConnector(
+            limit=c.max_connections, limit_per_host=c.max_connections_per_replica,
+            keepalive_timeout=c.keepalive_timeout_s, enable_cleanup_closed=True, ttl_dns_cache=10)
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=c.connect_timeout_s, sock_read=None)
+        return aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            raise_for_status=False, cookie_jar=aiohttp.DummyCookieJar())
 
-    async def _connect(self, key: tuple[str, int]) -> Connection:
-        loop = asyncio.get_running_loop()
+    def _url(self, replica: str, path: str) -> URL:
+        """Parsed upstream URLs, cached (URL parsing is a visible cost per request)."""
+        key = (replica, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) > 4096:
+                self._urls.clear()
+            url = self._urls[key] = URL(replica + path)
+        return url
+
+    async def send(self, replica: str, path: str, body: bytes,
+                   headers: list[tuple[bytes, bytes]]) -> ResponseLike:
+        session = self._session
+        if session is None:
+            session = self._session = self._make_session()
+        pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: Connection(key), key[0], key[1])
-        except TimeoutError as exc:
-            raise httpx.ConnectTimeout(f"connect to {key[0]}:{key[1]} timed out") from exc
-        except OSError as exc:
-            raise httpx.ConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from exc
-        return conn
+            response = await session.post(self._url(replica, path), data=body, headers=pairs,
+                                          allow_redirects=False, compress=None, chunked=None)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.InvalidURL) as exc:
+            raise ConnectFailed(f"cannot connect to {replica}: {exc}") from exc
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise Disconnected(f"{type(exc).__name__}: {exc}") from exc
+        return _AiohttpResponse(response)
 
-    def _take_idle(self, key: tuple[str, int]) -> Connection | None:
-        idle = self._idle.get(key)
-        now_s = time.monotonic()
-        while idle:
-            conn = idle.pop()
-            if not conn.closed and now_s - conn.idle_since_s < self.keepalive_expiry_s:
-                return conn
-            conn.close()
-        return None
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
-    def release(self, conn: Connection) -> None:
-        idle = self._idle.setdefault(conn.key, [])
-        if len(idle) >= self.max_idle_per_host:
-            conn.close()
-            return
-        conn.idle_since_s = time.monotonic()
-        conn._reset()
-        idle.append(conn)
 
-    async def send(self, base_url: str, path: str, body: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
-        """POST ``body`` to ``base_url + path``; returns once the response headers arrived."""
-        key, host = self._target(base_url)
-        lines = [b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ", host,
-                 b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n"]
-        for name, value in headers:
-            lines += (name, b": ", value, b"\r\n")
-        lines.append(b"\r\n")
-        head = b"".join(lines)
-        conn = self._take_idle(key)
-        if conn is not None:
-            try:
-                return await self._exchange(conn, head, body)
-            except httpx.RemoteProtocolError:
-                if conn.got_bytes:
-                    raise
-                # the replica closed the kept-alive connection: once more on a new one
-        return await self._exchange(await self._connect(key), head, body)
+class _HttpxResponse:
+    __slots__ = ("_response", "headers", "status_code")
 
-    async def _exchange(self, conn: Connection, head: bytes, body: bytes) -> UpstreamResponse:
-        assert conn.transport is not None
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status_code = response.status_code
+        self.headers = RawHeaders(list(response.headers.raw))
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
         try:
-            conn.transport.writelines((head, body))
-            while not conn.head_done:
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait(self.read_timeout_s)
-        except BaseException:
-            conn.close()
-            raise
-        return UpstreamResponse(self, conn)
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimedOut(str(exc)) from exc
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            raise Disconnected(f"{type(exc).__name__}: {exc}") from exc
 
-    def close(self) -> None:
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.close()
-        self._idle.clear()
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxUpstream:
+    """``Upstream`` over an ``httpx.AsyncClient`` (tests inject ``httpx.MockTransport``)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def send(self, replica: str, path: str, body: bytes,
+                   headers: list[tuple[bytes, bytes]]) -> ResponseLike:
+        try:
+            request = httpx.Request("POST", replica + path, content=body, headers=headers)
+            return _HttpxResponse(await self.client.send(request, stream=True))
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+            raise ConnectFailed(f"cannot connect to {replica}: {exc}") from exc
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimedOut(str(exc)) from exc
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            raise Disconnected(f"{type(exc).__name__}: {exc}") from exc
+
+    async def close(self) -> None:
+        """The client belongs to the gateway, which closes it."""

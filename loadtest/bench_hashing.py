@@ -20,8 +20,9 @@ from typing import Any
 
 import orjson
 
-from gateway import prefix_hash
+from gateway import conversation, prefix_hash
 from gateway.context import ContextConfig, build_context
+from loadtest.percentile import percentile
 
 WORDS = ["def", "class", "return", "import", "self", "value", "None", "if", "else", "for", "in", "while", "try", "except", "with", "as", "yield", "lambda"]
 CODE = WORDS + ["(", ")", ":", "=", "==", "+", "[", "]", "{", "}", "\n", "    ", "x", "y", "path", "data", "result"]
@@ -60,7 +61,7 @@ def _measure(fn: Callable[[], object], n: int) -> tuple[list[float], list[float]
 
 def _line(name: str, wall: list[float], cpu: list[float]) -> str:
     def pct(s: list[float], q: float) -> float:
-        return s[min(len(s) - 1, int(q * len(s)))] * 1e6
+        return (percentile(s, q * 100) or 0.0) * 1e6
 
     return (f"{name:14s} wall p50 {pct(wall, .5):7.0f} us  p99 {pct(wall, .99):7.0f} us   "
             f"cpu p50 {pct(cpu, .5):7.0f} us  p99 {pct(cpu, .99):7.0f} us")
@@ -79,14 +80,14 @@ def run(args: argparse.Namespace) -> int:
     headers = {"x-claude-code-session-id": "bench"}
     ctx = build_context("chat", body, headers, "application/json", cfg)
     data = orjson.loads(body)
-    text = prefix_hash.render_chat(data["messages"], data["tools"])
+    text = conversation.render_chat(data["messages"], data["tools"])
     raw = text.encode()
     print(f"body {len(body):,} bytes, {len(data['messages'])} messages, {ctx.prompt_chars:,} rendered chars, "
           f"{len(ctx.block_hashes)} blocks of {cfg.hashing.block_chars} bytes; {args.iterations} iterations")
     n = args.iterations
     print(_line("build_context", *_measure(lambda: build_context("chat", body, headers, "application/json", cfg), n)))
     print(_line("  orjson.loads", *_measure(lambda: orjson.loads(body), n)))
-    print(_line("  render", *_measure(lambda: prefix_hash.render_chat(data["messages"], data["tools"]).encode(), n)))
+    print(_line("  render", *_measure(lambda: conversation.render_chat(data["messages"], data["tools"]).encode(), n)))
     print(_line("  hash chain", *_measure(lambda: prefix_hash.chain_hashes(raw, "qwen3-coder", 256, 8192), n)))
     return 0
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 
+from loadtest.percentile import percentile
 from prefix_index.base import PrefixIndex, ReplicaCapacity, ReplicaId, SessionEntry
 from prefix_index.config import IndexConfig
 from prefix_index.memory import MemoryPrefixIndex
@@ -37,7 +38,7 @@ from prefix_index.redis_backend import RedisPrefixIndex
 
 
 @dataclass(frozen=True)
-class Workload:
+class IndexWorkload:
     replicas: list[ReplicaId]
     capacity: ReplicaCapacity
     fills: dict[ReplicaId, list[list[int]]]  # chains to record, oldest first
@@ -47,7 +48,7 @@ class Workload:
 
 def make_workload(
     n_replicas: int, blocks_per_replica: int, chain_blocks: int, n_sessions: int = 100, seed: int = 0
-) -> Workload:
+) -> IndexWorkload:
     rng = random.Random(seed)
     shared = [rng.getrandbits(64) for _ in range(64)]
     request = shared + [rng.getrandbits(64) for _ in range(chain_blocks - len(shared))]
@@ -64,10 +65,10 @@ def make_workload(
             chains.append(request[:partial])
         fills[rid] = chains
     sessions = [shared + [rng.getrandbits(64) for _ in range(chain_blocks - len(shared))] for _ in range(n_sessions)]
-    return Workload(replicas, ReplicaCapacity(blocks_per_replica, 0), fills, request, sessions)
+    return IndexWorkload(replicas, ReplicaCapacity(blocks_per_replica, 0), fills, request, sessions)
 
 
-async def populate(index: PrefixIndex, w: Workload) -> None:
+async def populate(index: PrefixIndex, w: IndexWorkload) -> None:
     for rid in w.replicas:
         await index.set_capacity(rid, w.capacity)
         for chain in w.fills[rid]:
@@ -75,11 +76,11 @@ async def populate(index: PrefixIndex, w: Workload) -> None:
 
 
 def _pct(samples: Sequence[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    """``q`` as a fraction (0.99), the project's one percentile (loadtest.percentile)."""
+    return percentile(samples, q * 100) or 0.0
 
 
-async def time_lookups(index: PrefixIndex, w: Workload, n: int) -> tuple[list[float], list[float]]:
+async def time_lookups(index: PrefixIndex, w: IndexWorkload, n: int) -> tuple[list[float], list[float]]:
     """Wall and CPU (this process) seconds of each ``match``: CPU is robust on a busy machine."""
     wall, cpu = [], []
     for _ in range(n):
@@ -98,7 +99,7 @@ class Decisions:
     kept: float  # share of returning turns whose replica still held the previous turn's chain
 
 
-async def time_decisions(index: PrefixIndex, w: Workload, n: int, turn_blocks: int, seed: int = 1,
+async def time_decisions(index: PrefixIndex, w: IndexWorkload, n: int, turn_blocks: int, seed: int = 1,
                          after_first_turns: Callable[[], None] = lambda: None) -> Decisions:
     """``n`` decisions, each one turn of a session picked round-robin (match + session read +
     record + session write): the session's chain grows by ``turn_blocks`` new blocks a turn
@@ -157,7 +158,7 @@ def _redis_cpu(client: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-async def bench_memory(w: Workload, n: int, turn_blocks: int) -> dict[str, float]:
+async def bench_memory(w: IndexWorkload, n: int, turn_blocks: int) -> dict[str, float]:
     rss0, t0 = _rss_bytes(), time.perf_counter()
     index = MemoryPrefixIndex()
     await populate(index, w)
@@ -179,7 +180,7 @@ def _redis_usec(client: redis.Redis) -> float:
 
 
 async def _redis_decisions(
-    idx: RedisPrefixIndex, client: redis.Redis, w: Workload, n: int, turn_blocks: int, seed: int
+    idx: RedisPrefixIndex, client: redis.Redis, w: IndexWorkload, n: int, turn_blocks: int, seed: int
 ) -> dict[str, float]:
     """Decisions on Redis; server time per first turn, and per follow-up decision."""
     first: dict[str, float] = {}
@@ -197,7 +198,7 @@ async def _redis_decisions(
             "redis_cpu_us_per_decision": (_redis_cpu(client) - cpu0[0]) / n * 1e6}
 
 
-async def bench_redis(w: Workload, n: int, url: str, turn_blocks: int) -> dict[str, dict[str, float]]:
+async def bench_redis(w: IndexWorkload, n: int, url: str, turn_blocks: int) -> dict[str, dict[str, float]]:
     """Fill once; time lookups (chain search and exact), then decisions (awaited, write-behind)."""
     client = redis.Redis.from_url(url)
     base = IndexConfig(backend="redis", redis_url=url, redis_timeout_s=1.0)

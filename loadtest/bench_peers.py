@@ -37,10 +37,8 @@ evictions); kvgate also reads ``usage`` (cached-token feedback) from every respo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import tempfile
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -51,21 +49,23 @@ from loadtest.bench_simulator import process_cpu_s
 from loadtest.cli import build_workload
 from loadtest.demo import (
     DEFAULT_PROFILE,
-    GatewayProcess,
     flush_caches,
     scaled_profile,
     sigterm_as_exit,
 )
 from loadtest.driver import DriverConfig
+from loadtest.peers.overhead import run_overhead
 from loadtest.peers.run import (
     INSTALL_HINT,
     PEERS,
-    ROOT,
-    install_peers,
-    missing_peers,
-    running_peer,
 )
 from loadtest.peers.summary import peers_table, replica_counters, routing_errors, with_replica_side
+from loadtest.peers.targets import (
+    check_peers,
+    open_target,
+    parse_targets,
+    target_version,
+)
 from loadtest.replay_oracle import oracle_hit_rate
 from loadtest.report import run_with_progress
 from loadtest.results import RunResult, summarize
@@ -139,38 +139,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--kb", type=int, default=400, help="large request size (KB)")
 
 
-def parse_targets(text: str) -> list[str]:
-    targets = [t.strip() for t in text.split(",") if t.strip()]
-    for t in targets:
-        if t not in PEERS and t != "kvgate" and not t.startswith("kvgate-"):
-            raise ValueError(
-                f"unknown target {t!r}: kvgate, kvgate-<policy> or one of {', '.join(PEERS)}"
-            )
-    return targets
-
-
-def kvgate_policy(target: str) -> str | None:
-    """The kvgate policy of a target name (None for a peer)."""
-    if target == "kvgate":
-        return "cache-aware"
-    return target.removeprefix("kvgate-") if target.startswith("kvgate-") else None
-
-
-@contextlib.contextmanager
-def open_target(
-    target: str, workers: Sequence[str], log_dir: Path, gateway_args: Sequence[str] = ()
-) -> Iterator[tuple[str, int]]:
-    """Start ``target`` in front of ``workers``; yields its (base URL, pid)."""
-    policy = kvgate_policy(target)
-    if policy is not None:
-        with GatewayProcess(policy, workers, gateway_args, log_dir=log_dir) as gw:
-            assert gw.proc is not None
-            yield gw.url, gw.proc.pid
-    else:
-        with running_peer(target, workers, log_dir=log_dir) as peer:
-            yield peer.url, peer.pid
-
-
 def one_run(
     target: str,
     fleet: SimFleet,
@@ -225,25 +193,6 @@ def warm_up(fleet: SimFleet, workload: Workload, config: DriverConfig,
         cfg = dataclasses.replace(config, target=url, duration_s=args.warm_up_s, grace_s=0.0)
         run_with_progress(workload, cfg, f"warm-up {url}", console, {"warm_up": True},
                           replicas=1, gpus_per_replica=args.gpus_per_replica)
-
-
-def target_version(target: str) -> str:
-    policy = kvgate_policy(target)
-    return f"kvgate {policy}" if policy is not None else PEERS[target].version
-
-
-def check_peers(targets: Sequence[str], install: bool, console: Console, root: Path = ROOT) -> bool:
-    """True when every peer among ``targets`` is installed (after ``install.sh`` if asked)."""
-    missing = missing_peers(targets, root)
-    if missing and install:
-        install_peers(root)
-        missing = missing_peers(targets, root)
-    if missing:
-        console.print(
-            f"[red]peer routers not installed: {', '.join(missing)}[/]; run `{INSTALL_HINT}` "
-            "(or pass --install)"
-        )
-    return not missing
 
 
 def discover_model(url: str) -> str:
@@ -311,7 +260,5 @@ def run(args: argparse.Namespace) -> int:
     if not check_peers(targets, args.install, console):
         return 2
     if args.overhead:
-        from loadtest.peers.overhead import run_overhead
-
         return run_overhead(args, targets, console)
     return run_peers(args, targets, console)

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import orjson
 
+from loadtest.percentile import percentile
 from loadtest.simulator.fleet import SimFleet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,8 +87,9 @@ async def client_loop(url: str, args: argparse.Namespace, index: int) -> dict[st
 
 
 def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+    """``q`` as a fraction (0.99), the project's one percentile (loadtest.percentile)."""
+    value = percentile(values, q * 100)
+    return float("nan") if value is None else value
 
 
 def run_clients(url: str, args: argparse.Namespace) -> dict[str, Any]:

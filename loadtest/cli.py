@@ -69,7 +69,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
         if args.synthetic_token_scale != 1.0:
             params = params.scaled(args.synthetic_token_scale)
         return synthetic.generate(params, args.seed)
-    return traces.load(args.trace, args.format, args.limit_sessions)
+    report = traces.LoadReport()
+    workload = traces.load(args.trace, args.format, args.limit_sessions, report)
+    print(f"trace entries skipped or defaulted: {report.summary()}")
+    return workload
 
 
 def driver_config(args: argparse.Namespace, target: str) -> DriverConfig:

@@ -3,8 +3,8 @@
 Starts ``--replicas`` simulated replicas (default 4 x ``kimi-k2.6-b200-tp8``, time-scaled),
 then for each policy (``cache-aware``, then ``round-robin``) a fresh gateway process on
 the in-memory index over the same replicas (their caches flushed in between), replays
-the same slice of the Claude Code sessions in ``../shared/traces/claude-code`` (or
-/work/shared/traces/claude-code; the synthetic generator when neither exists) for
+the same slice of the Claude Code sessions in ``../shared/traces/claude-code`` beside the project (the synthetic generator when it is
+absent) for
 ``--duration-s`` wall seconds each, and prints a side-by-side table. Everything it starts
 is stopped on exit, on Ctrl-C and on SIGTERM.
 
@@ -46,7 +46,7 @@ from loadtest.simulator.fleet import SimFleet, free_port
 from loadtest.workload import Session, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE_DIRS = (ROOT.parent / "shared" / "traces" / "claude-code", Path("/work/shared/traces/claude-code"))
+TRACE_DIRS = (ROOT.parent / "shared" / "traces" / "claude-code",)
 DEFAULT_PROFILE = "kimi-k2.6-b200-tp8"
 
 

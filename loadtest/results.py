@@ -7,13 +7,14 @@ real fleet would have taken). Summary field names are shared with `kvgate simula
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from loadtest.percentile import percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,17 +43,6 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from loadtest.fleetsim.run import SimConfig, run_policy
 from loadtest.fleetsim.sessions import Pacing
 from loadtest.fleetsim.table import results_table
 from loadtest.simulator.profile import DEFAULT_PROFILE, load_profile
+from loadtest.traces import LoadReport
 from loadtest.workload import Workload
 from policies.registry import DEFAULT_POLICY, POLICY_NAMES
 
@@ -66,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no table")
 
 
-def load_workload(args: argparse.Namespace) -> Workload:
+def load_workload(args: argparse.Namespace, report: LoadReport | None = None) -> Workload:
+    """The trace's workload; entries the loaders skipped or defaulted are counted in ``report``."""
     if args.format == "synthetic" or args.trace == ["synthetic"]:
         from loadtest.synthetic import SyntheticParams, generate
 
@@ -75,7 +77,7 @@ def load_workload(args: argparse.Namespace) -> Workload:
     from loadtest import traces
 
     limit = None if args.limit_sessions is None else args.skip_sessions + args.limit_sessions
-    workload = traces.load([Path(t) for t in args.trace], args.format, limit)
+    workload = traces.load([Path(t) for t in args.trace], args.format, limit, report)
     if args.skip_sessions <= 0:
         return workload
     return Workload(workload.name, workload.sessions[args.skip_sessions:], workload.open_loop)
@@ -133,13 +135,14 @@ def run(args: argparse.Namespace) -> int:
     names = policy_names(args.policy)
     console = Console(stderr=True)
     t0 = time.perf_counter()
-    workload = load_workload(args)
+    report = LoadReport()
+    workload = load_workload(args, report)
     cfg = make_config(args)
     console.print(f"loaded {len(workload.sessions)} sessions, {workload.request_count():,} requests "
-                  f"in {time.perf_counter() - t0:.1f} s")
+                  f"in {time.perf_counter() - t0:.1f} s; trace entries {report.summary()}")
     results: list[dict[str, Any]] = []
     oracle: dict[str, Any] = {}
-    config = config_dict(args, cfg, workload)
+    config = {**config_dict(args, cfg, workload), "trace_entries": report.as_dict()}
     for name in names:
         res = run_policy(workload, name, cfg)
         results.append(res.summary)
@@ -152,5 +155,5 @@ def run(args: argparse.Namespace) -> int:
         out = Console()
         if not out.is_terminal:
             out = Console(width=170)
-        out.print(results_table(oracle, results))
+        out.print(results_table(oracle, results, caption=f"trace entries: {report.summary()}"))
     return 0

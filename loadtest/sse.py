@@ -10,7 +10,8 @@ from typing import Any
 
 import orjson
 
-from loadtest.results import RequestRecord, percentile
+from loadtest.percentile import percentile
+from loadtest.results import RequestRecord
 
 
 class StreamParser:

@@ -65,11 +65,13 @@ class SessionEntry:
 
 @dataclass(frozen=True, slots=True)
 class IndexStats:
-    """Sizes for metrics: blocks held per replica (device, host) and session count."""
+    """Sizes for metrics: blocks held per replica (device, host), the session count and
+    the cumulative number of sessions the table's size bound evicted (not expiries)."""
 
     device_blocks: dict[ReplicaId, int] = field(default_factory=dict)
     host_blocks: dict[ReplicaId, int] = field(default_factory=dict)
     sessions: int = 0
+    session_evictions: int = 0
 
 
 @runtime_checkable
@@ -116,7 +118,11 @@ class PrefixIndex(Protocol):
         ...
 
     async def set_session(self, key: str, entry: SessionEntry) -> None:
-        """Remember a session's routing (expires after the backend's session TTL)."""
+        """Remember a session's routing (expires after the backend's session TTL).
+
+        The table holds at most the backend's ``max_sessions``: one more evicts the least
+        recently set session (counted in ``IndexStats.session_evictions``).
+        """
         ...
 
     async def resident_tokens(self, now_s: float, window_s: float) -> dict[ReplicaId, int]:

@@ -14,6 +14,10 @@ class IndexConfig(BaseModel):
     redis_url: str | None = Field(default=None, description="redis://host:port/db; selects the Redis backend")
     key_prefix: str = Field(default="kvgate", description="Redis key prefix, so several fleets share one Redis")
     session_ttl_s: float = Field(default=3600.0, description="forget a session this long after its last turn")
+    max_sessions: int = Field(
+        default=1_000_000, ge=1,
+        description="session table size bound: one more evicts the least recently used session (~400 B each)",
+    )
     block_ttl_s: float = Field(default=3600.0, description="Redis: a replica's block set expires when untouched this long")
     redis_timeout_s: float = Field(default=0.05, description="Redis budget per call; slower counts as degraded")
     default_device_blocks: int = Field(
@@ -34,6 +38,13 @@ class IndexConfig(BaseModel):
     )
     redis_flush_interval_s: float = Field(default=0.002, gt=0, description="write-behind: max wait before a flush")
     redis_queue_max: int = Field(default=10000, ge=1, description="write-behind: queued writes kept (oldest dropped)")
+    redis_max_connections: int = Field(
+        default=100, ge=1, description="Redis connections per process; beyond, a call waits (within its budget)"
+    )
+    redis_session_sync_s: float = Field(
+        default=1.0, ge=0,
+        description="Redis: copy other gateways' sessions into the local copy this often (0: never)",
+    )
     redis_retry_s: float = Field(default=1.0, gt=0, description="while degraded: ping Redis this often")
     redis_recovery_merge_s: float = Field(
         default=600.0, ge=0, description="after Redis came back empty: also answer from the local copy this long"

@@ -17,4 +17,5 @@ def make_index(config: IndexConfig) -> PrefixIndex:
 
         return RedisPrefixIndex(config)
     default = ReplicaCapacity(config.default_device_blocks, config.default_host_blocks)
-    return MemoryPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default)
+    return MemoryPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default,
+                             max_sessions=config.max_sessions)

@@ -49,7 +49,7 @@ from prefix_index.base import (
     ReplicaId,
     SessionEntry,
 )
-from prefix_index.session_table import SessionTable
+from prefix_index.session_table import DEFAULT_MAX_SESSIONS, SessionTable
 
 DEFAULT_CAPACITY = ReplicaCapacity(device_blocks=16384, host_blocks=0)
 """Used until ``set_capacity``: 16,384 blocks x 64 tokens = 1M tokens of device KV, a
@@ -94,13 +94,14 @@ class MemoryPrefixIndex:
         default_capacity: ReplicaCapacity = DEFAULT_CAPACITY,
         clock: Callable[[], float] = time.monotonic,
         assume_chains: bool = False,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         self._default = default_capacity
         self._chains = assume_chains
         self._owners: dict[BlockHash, int] = {}
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._free_slots: list[int] = []
-        self.sessions = SessionTable(session_ttl_s, clock)
+        self.sessions = SessionTable(session_ttl_s, clock, max_sessions)
 
     # -- reads -------------------------------------------------------------------
     async def match(self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
@@ -177,6 +178,7 @@ class MemoryPrefixIndex:
             device_blocks={rid: len(st.device) for rid, st in self._replicas.items()},
             host_blocks={rid: len(st.host) for rid, st in self._replicas.items()},
             sessions=len(self.sessions),
+            session_evictions=self.sessions.evictions,
         )
 
     def replicas(self) -> list[ReplicaId]:

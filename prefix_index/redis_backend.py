@@ -4,7 +4,8 @@ Every operation is one Lua script (``redis_scripts.py``; loaded once, called wit
 Per replica, ``P:t:<replica>`` maps block -> ``d`` | ``h`` (membership and tier: what
 ``match`` reads, binary-searching the chain); recency is kept per *segment* of a chain (the
 default layout) or per block (``redis_exact_match``). Sessions live in ``P:s:<key>`` plus
-``P:sh``/``P:sz`` for ``resident_tokens``. Every key but ``P:clock`` and ``P:alive`` has a
+``P:sh``/``P:sz`` for ``resident_tokens``, ``P:sx`` the session feed (``redis_sessions.py``:
+other gateways' sessions copied locally, so an outage keeps their affinity). Every key but ``P:clock`` and ``P:alive`` has a
 TTL. The key layout, the algorithms and measured costs are in docs/redis.md.
 
 Degrade, don't fail: every call is bounded by ``redis_timeout_s``. On an error or a
@@ -24,7 +25,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from prefix_index.base import (
@@ -38,6 +42,13 @@ from prefix_index.base import (
 from prefix_index.config import IndexConfig
 from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.redis_scripts import CHAIN_SCRIPTS, EXACT_SCRIPTS
+from prefix_index.redis_sessions import (
+    FEED_BATCH,
+    SESSION_FEED_MAX,
+    SessionFeed,
+    parse_session,
+    session_value,
+)
 
 log = logging.getLogger("kvgate.index.redis")
 
@@ -48,13 +59,18 @@ def pack_hashes(hashes: Sequence[BlockHash]) -> bytes:
     return struct.pack(f">{len(hashes)}Q", *hashes)
 
 
-def _session_value(entry: SessionEntry) -> str:
-    return f"{entry.replica}\n{entry.tokens}\n{entry.last_seen_s!r}"
-
-
-def _parse_session(raw: bytes) -> SessionEntry:
-    replica, tokens, seen = raw.decode().split("\n")
-    return SessionEntry(ReplicaId(replica), int(tokens), float(seen))
+def make_client(url: str, timeout_s: float, max_connections: int) -> Redis:
+    """The backend's client: a bounded, blocking pool (a call beyond ``max_connections``
+    waits for a connection within its budget instead of failing), and one retry on a
+    fresh connection when a pooled one turns out dead (``ConnectionError``: a restarted
+    Redis closed it). Timeouts are not retried: a slow Redis degrades at once."""
+    budget = max(timeout_s, 0.001)
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=budget * 4,
+        socket_timeout=budget * 4, socket_connect_timeout=budget * 4,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+    return Redis.from_pool(pool)
 
 
 class _Unavailable(Exception):
@@ -72,20 +88,20 @@ class RedisPrefixIndex:
         if client is None:
             if not config.redis_url:
                 raise ValueError("the Redis index needs index.redis_url")
-            budget = max(config.redis_timeout_s, 0.001)
-            client = Redis.from_url(config.redis_url, socket_timeout=budget * 4, socket_connect_timeout=budget * 4)
+            client = make_client(config.redis_url, config.redis_timeout_s, config.redis_max_connections)
         self._redis = client
         self._cfg = config
         self._p = config.key_prefix
         self._block_ttl_ms = max(int(config.block_ttl_s * 1000), 1)
         default = ReplicaCapacity(config.default_device_blocks, config.default_host_blocks)
-        self._local = MemoryPrefixIndex(config.session_ttl_s, default)
+        self._local = MemoryPrefixIndex(config.session_ttl_s, default, max_sessions=config.max_sessions)
         scripts = EXACT_SCRIPTS if config.redis_exact_match else CHAIN_SCRIPTS
         self._scripts = {name: client.register_script(src) for name, src in scripts.items()}
         self.degraded = False
         self.degraded_total = 0
         self.dropped_writes_total = 0
         self._merge_until = 0.0
+        self._feed = SessionFeed(f"{self._p}:sx", config.redis_session_sync_s)
         self._caps: dict[ReplicaId, ReplicaCapacity] = {}  # set_capacity calls, resent if Redis forgot
         self._recovery: asyncio.Task[None] | None = None
         self._queue: deque[tuple[str, list[Arg]]] = deque(maxlen=config.redis_queue_max)
@@ -118,14 +134,24 @@ class RedisPrefixIndex:
 
     async def get_session(self, key: str) -> SessionEntry | None:
         try:
+            if not self.degraded and self._feed.due():  # every redis_session_sync_s, one read follows the feed
+                await self.pull_sessions()
             raw = await self._guard(self._redis.get(f"{self._p}:s:{key}"))
         except _Unavailable:
             return await self._local.get_session(key)
         if raw is None:
             return await self._local.get_session(key) if self._merging() else None
-        return _parse_session(raw)
+        return parse_session(raw)
 
     async def resident_tokens(self, now_s: float, window_s: float) -> dict[ReplicaId, int]:
+        """From the local copy when it follows the session feed (an O(1) incremental sum;
+        the ``resident`` script scans every session in the window: ~1 s of Redis at
+        100,000, over any budget); else from Redis."""
+        if self._cfg.redis_session_sync_s > 0:
+            if not self.degraded and self._feed.due():
+                with contextlib.suppress(_Unavailable):
+                    await self.pull_sessions()
+            return await self._local.resident_tokens(now_s, window_s)
         args: list[Arg] = [self._p, repr(now_s - window_s), repr(now_s - self._cfg.session_ttl_s)]
         try:
             flat = await self._call("resident", args)
@@ -138,10 +164,17 @@ class RedisPrefixIndex:
             flat = await self._call("stats", [self._p])
         except _Unavailable:
             return await self._local.stats()
-        rows = flat[1:]
+        rows = flat[2:]
         device = {ReplicaId(rows[i].decode()): int(rows[i + 1]) for i in range(0, len(rows), 3)}
         host = {ReplicaId(rows[i].decode()): int(rows[i + 2]) for i in range(0, len(rows), 3)}
-        return IndexStats(device_blocks=device, host_blocks=host, sessions=int(flat[0]))
+        return IndexStats(device_blocks=device, host_blocks=host, sessions=int(flat[0]),
+                          session_evictions=int(flat[1]))
+
+    async def pull_sessions(self) -> int:
+        """Merge the session writes of every gateway since the last pull into the local
+        copy (``redis_sessions.SessionFeed``); how many entries were newer than ours."""
+        reply = await self._guard(self._redis.xread({self._feed.key: self._feed.last_id}, count=FEED_BATCH))
+        return self._feed.merge(reply, self._local.sessions)
 
     # -- writes ------------------------------------------------------------------
     async def record(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
@@ -179,7 +212,8 @@ class RedisPrefixIndex:
     async def set_session(self, key: str, entry: SessionEntry) -> None:
         await self._local.set_session(key, entry)
         ttl_ms = max(int(self._cfg.session_ttl_s * 1000), 1)
-        args: list[Arg] = [self._p, key, _session_value(entry), repr(entry.last_seen_s), ttl_ms]
+        args: list[Arg] = [self._p, key, session_value(entry), repr(entry.last_seen_s), ttl_ms,
+                           self._cfg.max_sessions, SESSION_FEED_MAX]
         await self._write("session", args)
 
     async def flush(self) -> None:
@@ -275,12 +309,21 @@ class RedisPrefixIndex:
                 continue
             if marker is None:  # a restart: the local copy fills the gap while Redis refills
                 self._merge_until = time.monotonic() + self._cfg.redis_recovery_merge_s
+                await self._reload_scripts()
             self.degraded = False
             log.warning("Redis index available again%s", "" if marker else " (it came back empty)")
             if marker is None:  # it forgot every replica's capacity too
                 for rid, cap in list(self._caps.items()):
                     await self._write("capacity", [self._p, rid, cap.device_blocks, cap.host_blocks, self._block_ttl_ms])
             return
+
+    async def _reload_scripts(self) -> None:
+        """A restarted Redis forgot the scripts: load them once here, not once per connection
+        (each pooled connection's first EVALSHA would otherwise pay NOSCRIPT + SCRIPT LOAD)."""
+        with contextlib.suppress(RedisError, OSError):  # EVALSHA still falls back to loading
+            async with asyncio.timeout(self._cfg.redis_timeout_s * 4):
+                for script in self._scripts.values():
+                    await self._redis.script_load(script.script)
 
     def _merging(self) -> bool:
         return self._merge_until > 0.0 and time.monotonic() < self._merge_until

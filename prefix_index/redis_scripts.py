@@ -255,13 +255,37 @@ end
 return 1
 """
 
-# ARGV: P, key, value, last_seen, ttl ms
+# ARGV: P, key, value, last_seen, ttl ms, max sessions, feed length -> sessions evicted by the bound.
+# Every write is also appended to the session feed P:sx (redis_sessions.py), trimmed ~ARGV[7].
+# The bound: P:sz ranks sessions by last_seen (their last use); beyond max, expired ones
+# (last_seen older than this one's minus the TTL) go first, then the least recent are popped
+# with their P:sh field and P:s key, and counted in P:sev.
 _SESSION = """
+local sz, sh = P .. ':sz', P .. ':sh'
 redis.call('SET', P .. ':s:' .. ARGV[2], ARGV[3], 'PX', ARGV[5])
-redis.call('HSET', P .. ':sh', ARGV[2], ARGV[3])
-redis.call('ZADD', P .. ':sz', ARGV[4], ARGV[2])
-redis.call('PEXPIRE', P .. ':sh', ARGV[5]); redis.call('PEXPIRE', P .. ':sz', ARGV[5])
-return 1
+redis.call('HSET', sh, ARGV[2], ARGV[3])
+redis.call('ZADD', sz, ARGV[4], ARGV[2])
+redis.call('PEXPIRE', sh, ARGV[5]); redis.call('PEXPIRE', sz, ARGV[5])
+redis.call('XADD', P .. ':sx', 'MAXLEN', '~', ARGV[7], '*', 'k', ARGV[2], 'v', ARGV[3])
+redis.call('PEXPIRE', P .. ':sx', ARGV[5])
+local cutoff = '(' .. (tonumber(ARGV[4]) - tonumber(ARGV[5]) / 1000)
+local function drop_expired(n)  -- expired sessions' P:sz/P:sh entries (their P:s key expired by itself)
+  local old = redis.call('ZRANGEBYSCORE', sz, '-inf', cutoff, 'LIMIT', 0, n)
+  if #old > 0 then chunked('ZREM', sz, old, 1000); chunked('HDEL', sh, old, 1000) end
+  return #old
+end
+drop_expired(8)  -- a few per write: the table prunes itself without a full scan
+local over = redis.call('ZCARD', sz) - tonumber(ARGV[6])
+if over <= 0 then return 0 end
+over = over - drop_expired(over)
+if over <= 0 then return 0 end
+local popped = redis.call('ZPOPMIN', sz, over)
+local keys, fields = {}, {}
+for i = 1, #popped, 2 do fields[#fields + 1] = popped[i]; keys[#keys + 1] = P .. ':s:' .. popped[i] end
+chunked('HDEL', sh, fields, 1000)
+for i = 1, #keys, 1000 do redis.call('DEL', unpack(keys, i, math.min(#keys, i + 999))) end
+redis.call('INCRBY', P .. ':sev', #fields)
+return #fields
 """
 
 # ARGV: P, window start, ttl cutoff -> flat [replica, tokens]*
@@ -478,9 +502,9 @@ expire_all(K, ARGV[5])
 return 1
 """
 
-# ARGV: P -> [sessions, (replica, device, host)*] (both layouts)
+# ARGV: P -> [sessions, session evictions, (replica, device, host)*] (both layouts)
 _STATS = """
-local out = {redis.call('HLEN', P .. ':sh')}
+local out = {redis.call('HLEN', P .. ':sh'), tonumber(redis.call('GET', P .. ':sev') or '0')}
 for _, rid in ipairs(redis.call('SMEMBERS', P .. ':replicas')) do
   local c = redis.call('HMGET', P .. ':m:' .. rid, 'd', 'nd', 'nh')
   local d = tonumber(c[1])

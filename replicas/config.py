@@ -4,14 +4,17 @@ Durations carry their unit in the name. The defaults follow the SGLang router's
 hysteresis (3 failures to go unhealthy, 2 successes to recover) and SGLang's own probes
 (`/ready` is cheap, so probing every 2 s costs nothing). `shared` turns on the Redis
 shared state (membership, drains, load leases) used when several gateways run together;
-see replicas/README.md.
+see replicas/README.md. `outlier` is the passive side: replicas that fail many distinct
+requests are ejected for a while (replicas/outlier.py).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from replicas.urls import parse_replica_url
 
 
 class SharedStateConfig(BaseModel):
@@ -46,6 +49,24 @@ class SharedStateConfig(BaseModel):
     )
 
 
+class OutlierConfig(BaseModel):
+    """``registry.outlier``: when a replica is ejected, and for how long."""
+
+    enabled: bool = Field(default=True, description="eject replicas that fail many distinct requests")
+    consecutive_failures: int = Field(default=5, ge=1, description="failures in a row that eject")
+    window_s: float = Field(default=30.0, gt=0, description="sliding window of the failure-rate rule")
+    min_requests: int = Field(default=10, ge=1, description="results in the window before the rate rule applies")
+    failure_fraction: float = Field(default=0.5, gt=0, le=1, description="failure fraction that ejects ...")
+    fleet_margin: float = Field(default=0.3, ge=0, le=1,
+                                description="... when also this far above the fleet's median fraction")
+    base_ejection_s: float = Field(default=30.0, gt=0, description="ejection time x ejections so far ...")
+    max_ejection_s: float = Field(default=300.0, gt=0, description="... capped at this")
+    max_ejection_percent: float = Field(default=50.0, ge=0, le=100,
+                                        description="active replicas ejected at once at most")
+    eject_on_probe_timeout: bool = Field(default=True,
+                                         description="a probe that times out ejects at once until a probe answers")
+
+
 class RegistryConfig(BaseModel):
     replicas: list[str] = Field(default_factory=list, description="static replica URLs")
     discovery: Literal["static", "dns", "kubernetes"] = "static"
@@ -64,6 +85,20 @@ class RegistryConfig(BaseModel):
         "is added back as joining, so a restart at the same URL rejoins",
     )
     shared: SharedStateConfig = Field(default_factory=SharedStateConfig)
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        """Every static replica is a usable http(s)://host:port URL (``replicas.urls``)."""
+        for url in urls:
+            parse_replica_url(url)  # ReplicaUrlError is a ValueError: pydantic reports it
+        return urls
+
+    outlier: OutlierConfig = Field(default_factory=OutlierConfig)
+    probe_log_interval_s: float = Field(
+        default=30.0, gt=0,
+        description="a failing probe is logged at WARNING on its first failure, then at most this often",
+    )
     # dns discovery
     dns_name: str | None = None
     dns_port: int = 30000

@@ -23,50 +23,19 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 from prefix_index.base import ReplicaId
 from replicas.config import RegistryConfig
+from replicas.discovery_base import Discovery, DiscoveryTarget, notify, replica_url
+from replicas.discovery_k8s import EndpointSliceDiscovery
+
+__all__ = ["Discovery", "DiscoveryTarget", "DnsDiscovery", "StaticDiscovery", "make_discovery", "notify",
+           "replica_url", "resolve_addresses"]
 
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str, int], Awaitable[set[str]]]
 """(host, port) -> the set of IP addresses it resolves to."""
-
-
-class DiscoveryTarget(Protocol):
-    """What discovery drives; the Registry's methods of the same names.
-
-    ``drain`` and ``remove`` may raise ``KeyError`` for a replica the target no longer
-    knows (the Registry removes a drained replica by itself): :func:`notify` ignores it.
-    """
-
-    async def add(self, url: ReplicaId) -> object: ...
-
-    async def drain(self, url: ReplicaId) -> object: ...
-
-    async def remove(self, url: ReplicaId) -> object: ...
-
-
-async def notify(target: DiscoveryTarget, op: str, url: ReplicaId) -> None:
-    """``target.<op>(url)``; an unknown replica (KeyError) is not an error here."""
-    method: Callable[[ReplicaId], Awaitable[object]] = getattr(target, op)
-    try:
-        await method(url)
-    except KeyError:
-        log.debug("discovery: %s(%s): replica already gone", op, url)
-
-
-class Discovery(Protocol):
-    async def run(self) -> None:
-        """Feed the target; returns (static) or runs until cancelled."""
-        ...
-
-
-def replica_url(address: str, port: int, scheme: str = "http") -> ReplicaId:
-    """``http://10.0.0.5:30000``; IPv6 addresses in brackets."""
-    host = f"[{address}]" if ":" in address else address
-    return ReplicaId(f"{scheme}://{host}:{port}")
 
 
 class StaticDiscovery:
@@ -137,7 +106,7 @@ class DnsDiscovery:
 
 
 def make_discovery(config: RegistryConfig, target: DiscoveryTarget) -> Discovery:
-    """The discovery ``config.discovery`` names (Kubernetes is imported lazily)."""
+    """The discovery ``config.discovery`` names."""
     if config.discovery == "static":
         return StaticDiscovery(config.replicas, target)
     if config.discovery == "dns":
@@ -145,6 +114,4 @@ def make_discovery(config: RegistryConfig, target: DiscoveryTarget) -> Discovery
             raise ValueError("registry.discovery = 'dns' needs registry.dns_name")
         return DnsDiscovery(config.dns_name, config.dns_port, target,
                             interval_s=config.dns_interval_s, remove_after_s=config.drain_timeout_s)
-    from replicas.discovery_k8s import EndpointSliceDiscovery
-
     return EndpointSliceDiscovery.from_config(config, target)

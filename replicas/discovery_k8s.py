@@ -36,7 +36,7 @@ import httpx
 
 from prefix_index.base import ReplicaId
 from replicas.config import RegistryConfig
-from replicas.discovery import DiscoveryTarget, notify, replica_url
+from replicas.discovery_base import DiscoveryTarget, notify, replica_url
 
 log = logging.getLogger(__name__)
 

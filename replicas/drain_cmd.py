@@ -16,8 +16,11 @@
    in another container of the pod that waits for it (deploy/README.md, "Drain").
 
 Exit 0 when drained (or without ``--wait`` when every reachable gateway accepted the
-drain), 1 on timeout, 2 when no gateway accepted and ``--wait`` was not given. The admin
-token comes from ``--admin-token`` or ``KVGATE_ADMIN_TOKEN``.
+drain), 1 on timeout, 2 when no gateway accepted and ``--wait`` was not given (or the
+token file cannot be read). The admin token (the admin API always needs one) comes from
+``--admin-token`` (default ``$KVGATE_ADMIN_TOKEN``, else ``$KVGATE_ADMIN__TOKEN``, the
+gateway's own variable), else from the file ``--admin-token-file`` (default
+``$KVGATE_ADMIN_TOKEN_FILE`` / ``$KVGATE_ADMIN__TOKEN_FILE``; a mounted Secret).
 """
 from __future__ import annotations
 
@@ -44,13 +47,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", action="store_true", help="wait until the replica has nothing in flight")
     parser.add_argument("--timeout-s", type=float, default=840.0, help="bound on the whole command")
     parser.add_argument("--poll-interval-s", type=float, default=1.0)
-    parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
+    parser.add_argument("--admin-token", default=_env("KVGATE_ADMIN_TOKEN", "KVGATE_ADMIN__TOKEN"),
                         help="bearer token of the admin API (default: $KVGATE_ADMIN_TOKEN)")
+    parser.add_argument("--admin-token-file", type=Path,
+                        default=_env("KVGATE_ADMIN_TOKEN_FILE", "KVGATE_ADMIN__TOKEN_FILE"),
+                        help="read the token from this file when --admin-token is not given "
+                        "(default: $KVGATE_ADMIN_TOKEN_FILE)")
     parser.add_argument("--all-addresses", action="store_true",
                         help="call every address a gateway host resolves to (headless Service)")
     parser.add_argument("--no-replica-loads", dest="replica_loads", action="store_false",
                         help="do not poll the replica's /v1/loads")
     parser.add_argument("--done-file", type=Path, help="write this file when finished")
+
+
+def _env(*names: str) -> str | None:
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
+
+
+def admin_token(args: argparse.Namespace) -> str | None:
+    """``--admin-token``, else the stripped content of ``--admin-token-file`` (OSError if unreadable)."""
+    if args.admin_token:
+        return str(args.admin_token)
+    path = getattr(args, "admin_token_file", None)
+    if not path:
+        return None
+    return Path(path).read_text(encoding="utf-8").strip() or None
 
 
 async def expand_gateways(gateways: list[str], all_addresses: bool) -> list[str]:
@@ -118,7 +139,8 @@ async def replica_busy(client: httpx.AsyncClient, replica: str) -> int:
 
 async def drain(args: argparse.Namespace, client: httpx.AsyncClient) -> int:
     deadline = time.monotonic() + args.timeout_s
-    headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}  # gateways only
+    token = admin_token(args)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}  # gateways only
     gateways = await expand_gateways(args.gateway, args.all_addresses)
     accepted = await asyncio.gather(*(request_drain(client, g, args.replica, args.timeout_s, headers) for g in gateways))
     if not args.wait:
@@ -150,4 +172,9 @@ async def main_async(args: argparse.Namespace, transport: httpx.AsyncBaseTranspo
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="kvgate drain: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll is noise in pod events
+    try:
+        admin_token(args)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"kvgate drain: --admin-token-file {args.admin_token_file}: {exc}", file=sys.stderr)
+        return 2
     return asyncio.run(main_async(args))

@@ -7,13 +7,16 @@ Pure: no I/O, no clock. The registry feeds it events and applies the state it re
                         DRAINING (self-drained, not by an operator) -> ACTIVE
     /ready 503          ACTIVE -> DRAINING (SGLang's SIGTERM drain or pause: it keeps
                         accepting requests, so the gateway must stop sending them)
-    probe/passive fail  ACTIVE -> UNHEALTHY after `unhealthy_after` consecutive failures
-                        (probe failures and the proxy's passive failures both count)
+    probe fails         ACTIVE -> UNHEALTHY after `unhealthy_after` consecutive failures
 
-A 503 on ``/ready`` is not a health failure (the process answers); it neither counts
-toward unhealthy nor resets the count. A passive success (a request that worked)
-resets the failure count but does not count toward recovery: recovery is the prober's
-call, since an unhealthy replica receives no requests.
+Only probes move a replica to UNHEALTHY. The proxy's passive failures (requests that
+failed on a replica) go to the outlier detector instead (replicas/outlier.py), which
+ejects a replica for a while on its own rules: a request's own errors must never count
+toward a replica's health, and one bad request copied to every replica must not turn
+the fleet unhealthy. A 503 on ``/ready`` is not a health failure (the process answers);
+it neither counts toward unhealthy nor resets the count. A passive success (a request
+that worked) resets the probe failure count but does not count toward recovery:
+recovery is the prober's call, since an unhealthy replica receives no requests.
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ class HealthEvent(enum.Enum):
     PROBE_OK = "probe_ok"
     PROBE_NOT_READY = "probe_not_ready"  # /ready answered 503
     PROBE_FAILED = "probe_failed"  # connection error, timeout, 5xx, /health 503
-    PASSIVE_FAILURE = "passive_failure"  # the proxy: connection error / 5xx before first byte
-    PASSIVE_SUCCESS = "passive_success"
+    PASSIVE_SUCCESS = "passive_success"  # a request worked (passive failures: replicas/outlier.py)
 
 
 @dataclass(slots=True)
@@ -45,7 +47,7 @@ class HealthTracker:
         if event is HealthEvent.PROBE_OK:
             self.successes += 1
             self.failures = 0
-        elif event in (HealthEvent.PROBE_FAILED, HealthEvent.PASSIVE_FAILURE):
+        elif event is HealthEvent.PROBE_FAILED:
             self.failures += 1
             self.successes = 0
         elif event is HealthEvent.PASSIVE_SUCCESS:
@@ -74,8 +76,7 @@ def next_state(
         return state
     if event is HealthEvent.PROBE_NOT_READY:
         return ReplicaState.DRAINING if state is ReplicaState.ACTIVE else state
-    failed = event in (HealthEvent.PROBE_FAILED, HealthEvent.PASSIVE_FAILURE)
-    if failed and state is ReplicaState.ACTIVE and tracker.unhealthy_due:
+    if event is HealthEvent.PROBE_FAILED and state is ReplicaState.ACTIVE and tracker.unhealthy_due:
         return ReplicaState.UNHEALTHY
     return state
 

@@ -46,12 +46,13 @@ class ReplicaView:
     added_at_s: float = 0.0  # monotonic time the replica joined (new replicas get new sessions first)
     drain_deadline_s: float | None = None
     removal_candidate: bool = False  # scale-in chose this replica: steer its sessions away
+    ejected: bool = False  # an outlier (replicas/outlier.py): no requests until its ejection ends
 
     @property
     def routable(self) -> bool:
         """May receive requests of sessions it already serves."""
-        return self.state is ReplicaState.ACTIVE
+        return self.state is ReplicaState.ACTIVE and not self.ejected
 
     @property
     def accepts_new_sessions(self) -> bool:
-        return self.state is ReplicaState.ACTIVE and not self.removal_candidate
+        return self.routable and not self.removal_candidate

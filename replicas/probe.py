@@ -13,12 +13,16 @@ on. Parsers are pure and tested against bodies shaped like SGLang 0.5.23's
 - ``fetch_loads``: ``GET /v1/loads?include=core``; None when unavailable (404 on old
   releases, errors).
 - ``fetch_models``: ``GET /v1/models`` cards.
+- ``ProbeLog``: failing probes at WARNING, rate-limited per replica (the first failure
+  of a streak, then at most once per ``registry.probe_log_interval_s``), and the
+  recovery once, with how long the replica failed.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +69,7 @@ class ProbeResult:
     event: HealthEvent  # PROBE_OK, PROBE_NOT_READY or PROBE_FAILED
     path: ReadyPath  # the path to use next time
     detail: str = ""
+    timed_out: bool = False  # connected (or not) but no answer within the probe timeout
 
 
 async def probe_readiness(
@@ -75,7 +80,9 @@ async def probe_readiness(
         if r.status_code == 404 and path is ReadyPath.READY:
             path = ReadyPath.HEALTH
             r = await client.get(url + path.value, timeout=timeout_s)
-    except httpx.HTTPError as e:
+    except httpx.TimeoutException as e:
+        return ProbeResult(HealthEvent.PROBE_FAILED, path, f"{type(e).__name__}: {e}", timed_out=True)
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
         return ProbeResult(HealthEvent.PROBE_FAILED, path, f"{type(e).__name__}: {e}")
     if r.status_code == 200:
         return ProbeResult(HealthEvent.PROBE_OK, path)
@@ -100,7 +107,7 @@ async def fetch_capacity(client: httpx.AsyncClient, url: str, timeout_s: float) 
         body = await _get_json(client, url + "/server_info", timeout_s)
         if body is None:
             body = await _get_json(client, url + "/get_server_info", timeout_s)
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
         log.debug("server_info of %s failed: %s", url, e)
         return None
     return parse_server_info(body) if isinstance(body, dict) else Capacity()
@@ -109,7 +116,7 @@ async def fetch_capacity(client: httpx.AsyncClient, url: str, timeout_s: float) 
 async def fetch_loads(client: httpx.AsyncClient, url: str, timeout_s: float) -> ReportedLoad | None:
     try:
         body = await _get_json(client, url + "/v1/loads?include=core", timeout_s)
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
         log.debug("/v1/loads of %s failed: %s", url, e)
         return None
     return parse_loads(body) if isinstance(body, dict) else None
@@ -120,7 +127,7 @@ async def fetch_models(
 ) -> list[dict[str, Any]] | None:
     try:
         body = await _get_json(client, url + "/v1/models", timeout_s)
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
         log.debug("/v1/models of %s failed: %s", url, e)
         return None
     data = body.get("data") if isinstance(body, dict) else None
@@ -129,6 +136,34 @@ async def fetch_models(
         if isinstance(data, list)
         else None
     )
+
+
+class ProbeLog:
+    """Rate-limited WARNING logs of failing probes, per replica (see the module docstring)."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._failing: dict[str, tuple[float, float, int]] = {}  # url -> (since, last logged, failures)
+
+    def failed(self, url: str, detail: str) -> None:
+        now = self._clock()
+        since, logged, count = self._failing.get(url, (now, 0.0, 0))
+        count += 1
+        if count == 1 or now - logged >= self.interval_s:
+            log.warning("probe of %s failed: %s (%d in a row, for %.0f s)", url, detail, count, now - since)
+            logged = now
+        self._failing[url] = (since, logged, count)
+
+    def answered(self, url: str) -> None:
+        failing = self._failing.pop(url, None)
+        if failing is not None:
+            since, _, count = failing
+            log.info("probe of %s answers again after %d failure(s) over %.0f s", url, count,
+                        self._clock() - since)
+
+    def forget(self, url: str) -> None:
+        self._failing.pop(url, None)
 
 
 def _int(value: Any, default: int = 0) -> int:

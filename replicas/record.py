@@ -1,6 +1,8 @@
 """The registry's mutable record of one replica, and the frozen view made from it.
 
 Only the registry mutates records; everything else sees ``ReplicaView`` snapshots.
+``Ejections`` applies the outlier detector's decisions (replicas/outlier.py) to records:
+the ``ejected`` flag, the listeners, the log, the totals by (replica, reason).
 Load in a view = this gateway's leases (exact, immediate) + other gateways' published
 leases (shared state; stale by up to one sync interval) ; the ``reported_*`` fields are
 the replica's own ``/v1/loads`` (stale by up to one poll interval).
@@ -9,6 +11,7 @@ the replica's own ``/v1/loads`` (stale by up to one poll interval).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,6 +20,7 @@ from replicas.drain import DrainInfo
 from replicas.health import HealthTracker
 from replicas.load import LoadCounters
 from replicas.model import ReplicaState, ReplicaView
+from replicas.outlier import OutlierDetector
 from replicas.probe import Capacity, ReadyPath, ReportedLoad
 
 log = logging.getLogger("replicas.registry")
@@ -54,6 +58,7 @@ class ReplicaRecord:
     ever_ok: bool = False
     ready_path: ReadyPath = ReadyPath.READY
     model_cards: tuple[dict[str, Any], ...] = ()
+    ejected: bool = False  # set and cleared by the registry from its OutlierDetector
 
     @property
     def operator_drain(self) -> bool:
@@ -83,6 +88,7 @@ class ReplicaRecord:
             added_at_s=self.added_at_s,
             drain_deadline_s=self.drain.deadline_s if self.drain else None,
             removal_candidate=self.removal_candidate,
+            ejected=self.ejected,
         )
 
 
@@ -134,3 +140,59 @@ class ReplicaTable:
         if new is not old:
             log.info("replica %s: %s -> %s", rec.id, old.value, new.value)
         self.notify("on_state_changed", rec.view(), old)
+
+
+class Ejections:
+    """The registry's side of outlier ejection (see the module docstring)."""
+
+    def __init__(self, table: ReplicaTable, detector: OutlierDetector, clock: Callable[[], float]) -> None:
+        self._table = table
+        self._detector = detector
+        self._clock = clock
+        self.ejected: set[ReplicaId] = set()
+        self.totals: dict[tuple[ReplicaId, str], int] = {}
+
+    def _active(self) -> list[ReplicaId]:
+        return [r.id for r in self._table.records.values() if r.state is ReplicaState.ACTIVE]
+
+    def result(self, rec: ReplicaRecord, ok: bool) -> None:
+        """One distinct request's result on ``rec`` (a failure the replica is to blame for)."""
+        why = self._detector.record(rec.id, ok, self._clock(), () if ok else self._active())
+        if why is not None:
+            self._set(rec, why)
+
+    def probe_timed_out(self, rec: ReplicaRecord) -> None:
+        if self._detector.suspect(rec.id, self._clock(), self._active()):
+            self._set(rec, "probe_timeout")
+
+    def probe_answered(self, rec: ReplicaRecord) -> None:
+        if self._detector.probe_answered(rec.id):
+            self._unset(rec, "probe answered")
+
+    def expire(self) -> None:
+        for rid in self._detector.expire(self._clock()):
+            rec = self._table.records.get(rid)
+            if rec is not None:
+                self._unset(rec, "ejection time over")
+
+    def forget(self, rid: ReplicaId) -> None:
+        self._detector.forget(rid)
+        self.ejected.discard(rid)
+
+    def _set(self, rec: ReplicaRecord, reason: str) -> None:
+        until = self._detector.ejected_until(rec.id)
+        left = 0.0 if until is None else until - self._clock()
+        log.warning("replica %s ejected (%s)%s", rec.id, reason,
+                    " until a probe answers" if reason == "probe_timeout" else f" for {left:.0f} s")
+        key = (rec.id, reason)
+        self.totals[key] = self.totals.get(key, 0) + 1
+        self.ejected.add(rec.id)
+        rec.ejected = True
+        self._table.notify("on_state_changed", rec.view(), rec.state)
+
+    def _unset(self, rec: ReplicaRecord, why: str) -> None:
+        self.ejected.discard(rec.id)
+        if rec.ejected:
+            rec.ejected = False
+            log.warning("replica %s back from ejection (%s)", rec.id, why)
+            self._table.notify("on_state_changed", rec.view(), rec.state)

@@ -28,7 +28,8 @@ from replicas.drain import DrainInfo, drain_outcome
 from replicas.health import HealthEvent, HealthTracker, next_state, state_after_undrain
 from replicas.load import LoadCounters, LoadLease
 from replicas.model import ReplicaState, ReplicaView
-from replicas.record import RegistryListener, ReplicaRecord, ReplicaTable, normalize_url
+from replicas.outlier import OutlierDetector
+from replicas.record import Ejections, RegistryListener, ReplicaRecord, ReplicaTable, normalize_url
 from replicas.shared_state import SharedSnapshot, SharedState
 from replicas.shared_sync import SharedDiff, SharedLink
 
@@ -56,6 +57,8 @@ class Registry:
         )
         self._loops: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
+        self._ejections = Ejections(self._table, OutlierDetector(config.outlier), clock)
+        self._probe_log = probe.ProbeLog(config.probe_log_interval_s, clock)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -102,7 +105,13 @@ class Registry:
             log.error("registry background task failed", exc_info=task.exception())
 
     # ----------------------------------------------------------------- reading
+    def now(self) -> float:
+        """Now on the registry's clock (drain deadlines, ejection ends are on it)."""
+        return self._clock()
+
     def views(self) -> tuple[ReplicaView, ...]:
+        if self._ejections.ejected:
+            self._ejections.expire()
         return tuple(r.view() for r in self._table.records.values())
 
     def get(self, url: str) -> ReplicaView | None:
@@ -152,6 +161,7 @@ class Registry:
     async def remove(self, url: str) -> None:
         rid = self._table.require(url).id
         self._table.remove(rid, "removed")
+        self._forget(rid)
         await self._shared_write(lambda s: s.remove_member(rid), "remove")
 
     # ----------------------------------------------------------------- drain
@@ -206,6 +216,7 @@ class Registry:
         if why is None or self._table.records.get(rec.id) is not rec:
             return
         self._table.remove(rec.id, f"drained ({why})")
+        self._forget(rec.id)
         readd = (
             (not rec.drain.by_operator) and rec.static and self.config.readd_static_after_self_drain
         )
@@ -236,15 +247,27 @@ class Registry:
         self._check_drain(rec)
 
     def report_failure(self, url: str, reason: str) -> None:
+        """A request failed on ``url`` for a reason the replica is to blame for (passive
+        health): it counts in the outlier detector, not in the probe hysteresis."""
         rec = self._table.records.get(normalize_url(url))
         if rec is not None:
             log.debug("passive failure on %s: %s", rec.id, reason)
-            self._apply(rec, HealthEvent.PASSIVE_FAILURE)
+            self._ejections.result(rec, False)
 
     def report_success(self, url: str) -> None:
         rec = self._table.records.get(normalize_url(url))
         if rec is not None:
+            self._ejections.result(rec, True)
             self._apply(rec, HealthEvent.PASSIVE_SUCCESS)
+
+    @property
+    def ejections_total(self) -> dict[tuple[ReplicaId, str], int]:
+        """Ejections so far, by (replica, reason)."""
+        return self._ejections.totals
+
+    def _forget(self, rid: ReplicaId) -> None:
+        self._ejections.forget(rid)
+        self._probe_log.forget(rid)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(r) for r in list(self._table.records.values())))
@@ -262,11 +285,20 @@ class Registry:
             rec.capacity = cap
             cards = await probe.fetch_models(self._client, rec.id, timeout)
             rec.model_cards = tuple(cards or ())
+        self._probe_outcome(rec, res)
+        self._apply(rec, res.event)
+
+    def _probe_outcome(self, rec: ReplicaRecord, res: probe.ProbeResult) -> None:
+        """Logging (rate-limited) and the outlier side of one probe's result."""
+        if res.event is HealthEvent.PROBE_FAILED:
+            self._probe_log.failed(rec.id, res.detail)
+            if res.timed_out:
+                self._ejections.probe_timed_out(rec)
+            return
+        self._probe_log.answered(rec.id)
         if res.event is HealthEvent.PROBE_OK:
             rec.ever_ok = True
-        elif res.detail:
-            log.debug("probe of %s: %s", rec.id, res.detail)
-        self._apply(rec, res.event)
+        self._ejections.probe_answered(rec)
 
     async def poll_loads(self) -> None:
         async def one(rec: ReplicaRecord) -> None:
@@ -335,6 +367,7 @@ class Registry:
             self._spawn(self._probe(self._insert(normalize_url(url))))
         for url in diff.remove:
             self._table.remove(normalize_url(url), "removed (shared)")
+            self._forget(normalize_url(url))
         for url, left in diff.drain.items():
             rec = self._table.records.get(normalize_url(url))
             if rec is not None:

@@ -82,7 +82,7 @@ class SGLangProfile:
     extra_args: tuple[str, ...] = ()
 
 
-class ProfileError(ValueError):
+class LaunchProfileError(ValueError):
     """A profile that cannot be loaded or fails the semantic checks."""
 
 
@@ -96,19 +96,19 @@ def load_profile(name_or_path: str) -> SGLangProfile:
     if path.suffix != ".toml":  # a name (names may hold dots: kimi-k2.6-...)
         path = PROFILE_DIR / f"{name_or_path}.toml"
     if not path.is_file():
-        raise ProfileError(f"no SGLang profile {name_or_path!r} (known: {', '.join(profile_names())})")
+        raise LaunchProfileError(f"no SGLang profile {name_or_path!r} (known: {', '.join(profile_names())})")
     raw: dict[str, Any] = tomllib.loads(path.read_text())
     fields = {f.name for f in dataclasses.fields(SGLangProfile)}
     unknown = sorted(set(raw) - fields)
     if unknown:
-        raise ProfileError(f"{path.name}: unknown keys {unknown}")
+        raise LaunchProfileError(f"{path.name}: unknown keys {unknown}")
     raw.setdefault("name", path.stem)
     if "extra_args" in raw:
         raw["extra_args"] = tuple(raw["extra_args"])
     try:
         return SGLangProfile(**raw)
     except TypeError as e:
-        raise ProfileError(f"{path.name}: {e}") from e
+        raise LaunchProfileError(f"{path.name}: {e}") from e
 
 
 def _speculative_errors(p: SGLangProfile) -> list[str]:
@@ -220,7 +220,7 @@ def build_args(p: SGLangProfile) -> list[str]:
     """``sglang serve`` arguments (after ``serve``), canonical long names, fixed order."""
     errors = semantic_errors(p)
     if errors:
-        raise ProfileError(f"profile {p.name}: " + "; ".join(errors))
+        raise LaunchProfileError(f"profile {p.name}: " + "; ".join(errors))
     out = _emit(p, _MAIN)
     if p.hicache:
         out += _emit(p, _HICACHE)
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
                 print(render_patch(profile, "sglang", "sglang"), end="")
             else:
                 print(shlex.join(["sglang", "serve", *build_args(profile)]))
-    except ProfileError as e:
+    except LaunchProfileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

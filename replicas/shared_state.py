@@ -36,6 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from replicas.config import SharedStateConfig
 from replicas.load import LoadCounters
@@ -158,9 +161,14 @@ class SharedState:
         if not config.redis_url:
             raise ValueError("SharedStateConfig.redis_url is not set")
         timeout = max(config.sync_budget_s, config.op_budget_s)
-        client = aioredis.Redis.from_url(
-            config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+        # one retry on a fresh connection when a pooled one is dead (a restarted Redis
+        # closed it), as the prefix index does: no flap per stale connection after a restart
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url, max_connections=32, timeout=timeout, socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
+        client = aioredis.Redis.from_pool(pool)
         state = cls(client, config, gateway_id=gateway_id)
         state._owns_client = True
         return state

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from loadtest.percentile import percentiles
 
 
 @dataclass(slots=True)
@@ -47,13 +47,6 @@ class Record:
     @property
     def cached(self) -> int:
         return self.cached_device + self.cached_host
-
-
-def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float | None]:
-    if not values:
-        return [None for _ in qs]
-    arr = np.asarray(values, dtype=np.float64)
-    return [float(v) for v in np.percentile(arr, qs)]
 
 
 def imbalance(per_replica: Sequence[float]) -> float | None:
@@ -95,7 +88,7 @@ def summarize(records: Sequence[Record], replicas: int, gpus: int,
         "oracle_cache_hit_rate": _ratio(sum(r.oracle_cached for r in done), prompt),
         "predicted_cached_ratio": _ratio(sum(r.predicted_cached for r in done), dev + host),
         "ttft_p50_s": p50, "ttft_p90_s": p90, "ttft_p99_s": p99,
-        "ttft_mean_s": float(np.mean(ttft)) if ttft else None,
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
         "output_tps_per_user_p50": percentiles(tps, (50,))[0],
         "throughput_tokens_per_s_per_gpu": _ratio(out, per_gpu_s),
         "input_tokens_per_s_per_gpu": _ratio(prompt, per_gpu_s),

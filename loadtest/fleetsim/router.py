@@ -11,10 +11,12 @@ for a real one, with the real policy and the real embedded index:
    lazy: a decision finding the last poll older than the interval polls first, so a
    reading is between 0 and ``loads_poll_interval_s`` old (a real poller's readings are
    uniformly so), and an idle fleet costs nothing.
-2. **Snapshot.** ``index.match(block_hashes)``, the session and parent entries,
-   ``index.resident_tokens(now, policy.resident_window_s)``.
-3. ``policy.decide(ctx, inputs, rng)``; ``NoRoutableReplica`` -> the request is rejected.
-4. ``policy.on_routed`` (record the chain and the session), the lease counts the request.
+2. **Snapshot.** ``index.match(block_hashes)``, the session and parent entries, and the
+   resident working set when the core's cached one is stale, assembled by the gateway's
+   own routing core (``policies.routing.RoutingCore``: the same caching and accounting).
+3. ``core.decide(ctx, inputs)``; ``NoRoutableReplica`` -> the request is rejected.
+4. ``core.account``, ``policy.on_routed`` (record the chain and the session), the lease
+   counts the request.
 5. On the first token ``lease.first_byte()``; on the end ``lease.release()`` and
    ``policy.on_completed`` with an ``Outcome`` carrying the engine's ``cached_tokens``, so
    the index feedback (truncate on over-prediction) runs as in production.
@@ -38,6 +40,7 @@ from policies.base import (
     RequestContext,
     RoutingInputs,
 )
+from policies.routing import RoutingCore
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId
 from replicas.load import LoadCounters, LoadLease
 from replicas.model import ReplicaState, ReplicaView
@@ -73,9 +76,8 @@ class SimRouter:
         self.ids = ids
         self.spec = spec
         self._snapshot = snapshot  # engine index -> EngineStats at the current time
-        self.rng = random.Random(seed)
+        self.core = RoutingCore(policy, random.Random(seed), resident_window_s=resident_window_s)
         self.poll_s = loads_poll_interval_s
-        self.resident_window_s = resident_window_s
         self.counters = [LoadCounters() for _ in ids]
         self.reported = [ReportedLoad() for _ in ids]
         self._last_poll_s = -float("inf")
@@ -113,28 +115,28 @@ class SimRouter:
         )
 
     def inputs(self, ctx: RequestContext, now_s: float) -> RoutingInputs:
-        index = self.index
-        matches: dict[ReplicaId, PrefixMatch]
-        if ctx.block_hashes:
-            matches = run_sync(index.match(ctx.block_hashes, self.ids))
-        else:
-            matches = {rid: PrefixMatch() for rid in self.ids}
+        index, core = self.index, self.core
+        matches: dict[ReplicaId, PrefixMatch] = (
+            run_sync(index.match(ctx.block_hashes, self.ids)) if ctx.block_hashes else {}
+        )
         key, parent = ctx.session.session, ctx.session.parent
-        return RoutingInputs(
-            replicas=self.views(now_s), matches=matches,
-            session=run_sync(index.get_session(key)) if key is not None else None,
-            parent_session=run_sync(index.get_session(parent)) if parent is not None else None,
-            resident_tokens=run_sync(index.resident_tokens(now_s, self.resident_window_s)),
-            now_s=now_s,
+        if core.resident_fresh(now_s) is None:
+            core.store_resident(now_s, run_sync(index.resident_tokens(now_s, core.resident_window_s)))
+        return core.inputs(
+            ctx, self.views(now_s), matches,
+            run_sync(index.get_session(key)) if key is not None else None,
+            run_sync(index.get_session(parent)) if parent is not None else None,
+            now_s,
         )
 
     def route(self, ctx: RequestContext, now_s: float) -> tuple[Decision, LoadLease] | None:
         """Decide and record; None when no replica can take the request (rejected)."""
         inputs = self.inputs(ctx, now_s)
         try:
-            decision = self.policy.decide(ctx, inputs, self.rng)
+            decision = self.core.decide(ctx, inputs)
         except NoRoutableReplica:
             return None
+        self.core.account(ctx, decision)
         run_sync(self.policy.on_routed(ctx, decision, self.index, now_s))
         slot = self._slot[decision.replica]
         lease = LoadLease(decision.replica, self.counters[slot], decision.predicted_uncached_tokens)

@@ -54,7 +54,7 @@ class SimConfig:
 
 
 @dataclass
-class RunResult:
+class SimRunResult:
     policy: str
     records: list[Record]
     summary: dict[str, Any]
@@ -202,7 +202,7 @@ class FleetRun:
         f.on_done(now_s)
 
     # -- the run -----------------------------------------------------------------------
-    def run(self) -> RunResult:
+    def run(self) -> SimRunResult:
         wall0, cpu0 = time.perf_counter(), time.process_time()
         if self.workload.open_loop:
             start_open_loop(self.workload, self.fleet, self)
@@ -218,9 +218,9 @@ class FleetRun:
         summary.update(policy=self.policy.name, wall_s=wall, cpu_s=time.process_time() - cpu0, load_polls=self.router.polls,
                        evicted_tokens=sum(s.evicted_tokens_total for s in stats),
                        host_dropped_tokens=sum(s.host_dropped_tokens_total for s in stats))
-        return RunResult(self.policy.name, self.records, summary, wall)
+        return SimRunResult(self.policy.name, self.records, summary, wall)
 
 
-def run_policy(workload: Workload, policy_name: str, cfg: SimConfig) -> RunResult:
+def run_policy(workload: Workload, policy_name: str, cfg: SimConfig) -> SimRunResult:
     """Simulate one policy over the workload on a fresh fleet and index."""
     return FleetRun(workload, policy_name, cfg).run()

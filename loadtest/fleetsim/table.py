@@ -49,8 +49,9 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
 
 
 def results_table(oracle: Mapping[str, Any], results: Sequence[Mapping[str, Any]],
-                  title: str = "kvgate simulate") -> Table:
-    table = Table(title=title, title_justify="left")
+                  title: str = "kvgate simulate", caption: str | None = None) -> Table:
+    """``caption``: printed under the table (the trace entries skipped or defaulted)."""
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     table.add_column("policy", style="bold")
     for header, _, _ in COLUMNS:
         table.add_column(header, justify="right")

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.bench_gateway import PROFILE, large_body, measure, small_body
-from loadtest.bench_peers import kvgate_policy, open_target, target_version
+from loadtest.peers.targets import kvgate_policy, open_target, target_version
 from loadtest.simulator.fleet import SimFleet
 
 SLOW_PROBES = (

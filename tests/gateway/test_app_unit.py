@@ -65,10 +65,14 @@ class FakeFleet:
 A, B = "http://127.0.0.1:40001", "http://127.0.0.1:40002"
 
 
+UNIT_TOKEN = "unit-admin-token"  # the admin API always needs a credential
+
+
 def settings_for(replicas: list[str], **extra: Any) -> Settings:
     overrides: dict[str, Any] = {
         "registry": {"replicas": replicas, "probe_interval_s": 60, "loads_poll_interval_s": 60},
         "policy": {"name": "round-robin", "seed": 1},
+        **({} if {"admin", "admin_token"} & extra.keys() else {"admin": {"token": UNIT_TOKEN}}),
         **extra,
     }
     return load_settings(None, overrides)
@@ -76,10 +80,12 @@ def settings_for(replicas: list[str], **extra: Any) -> Settings:
 
 @asynccontextmanager
 async def gateway(fleet: FakeFleet, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app; it sends the default admin token unless a test set its own."""
     app = create_app(settings, transport=fleet.transport())
+    auth = {"authorization": f"Bearer {UNIT_TOKEN}"} if settings.admin_token_value() == UNIT_TOKEN else {}
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw", headers=auth) as client:
             yield client
 
 
@@ -100,7 +106,7 @@ async def test_body_bytes_and_headers_pass_through() -> None:
     (base, request, body), = fleet.seen
     assert base == A and body == CHAT  # the very bytes the client sent
     assert request.headers["x-custom"] == "1"
-    assert request.headers["authorization"] == "Bearer sk-test"
+    assert "authorization" not in request.headers  # the client's key stays (upstream.forward_authorization)
     assert "te" not in request.headers and "connection" not in request.headers
     assert request.headers.get_list("user-agent") == ["my-agent"]  # nothing of the gateway's own
     assert request.headers["content-length"] == str(len(CHAT))
@@ -209,7 +215,7 @@ async def test_models_union_and_unknown_route() -> None:
 
 async def test_admin_api_with_token() -> None:
     fleet = FakeFleet({A: ok_completion, B: ok_completion})
-    s = settings_for([A], admin_token="s3cret", index={"redis_url": None})
+    s = settings_for([A], admin={"token": "s3cret"}, index={"redis_url": None})
     auth = {"authorization": "Bearer s3cret"}
     async with gateway(fleet, s) as client:
         assert (await client.get("/admin/replicas")).status_code == 401
@@ -228,7 +234,7 @@ async def test_admin_api_with_token() -> None:
         assert gone.status_code in (200, 404)
         config = (await client.get("/admin/config", headers=auth)).json()
         bad = await client.post("/admin/replicas", json={"nope": 1}, headers=auth)
-    assert config["admin_token"] == "***" and "s3cret" not in orjson.dumps(config).decode()
+    assert config["admin"]["token"] == "***" and "s3cret" not in orjson.dumps(config).decode()
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
 
 
@@ -283,3 +289,27 @@ async def test_sse_breaking_after_first_byte_ends_with_error_then_done() -> None
     assert orjson.loads(events[0][6:])["error"]["type"] == "upstream_error"
     assert events[1] == b"data: [DONE]"
     assert 'kvgate_requests_total{endpoint="chat",status="502"} 1.0' in metrics
+
+
+async def test_admin_locked_without_a_token_and_openapi_served() -> None:
+    fleet = FakeFleet({A: ok_completion})
+    s = settings_for([A], admin={"token": None})
+    async with gateway(fleet, s) as client:
+        none = await client.get("/admin/replicas")
+        some = await client.get("/admin/replicas", headers={"authorization": "Bearer anything"})
+        document = (await client.get("/openapi.json")).json()
+    assert none.status_code == 401 and some.status_code == 403
+    assert document["openapi"].startswith("3.1") and "/v1/chat/completions" in document["paths"]
+    assert document["paths"]["/admin/replicas"]["post"]["security"] == [{"adminToken": []}]
+
+
+async def test_drain_remaining_on_the_registry_clock_and_admin_calls_counted() -> None:
+    fleet = FakeFleet({A: ok_completion, B: ok_completion})
+    async with gateway(fleet, settings_for([A, B])) as client:
+        drained = (await client.post("/admin/replicas/drain", json={"url": B, "deadline_s": 30})).json()
+        bad = await client.post("/admin/replicas", json={"url": "http://[::1"})
+        metrics = (await client.get("/metrics")).text
+    assert drained["state"] == "removed" or 0 < drained["drain_remaining_s"] <= 30
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
+    assert 'kvgate_admin_requests_total{route="/admin/replicas",status="400"} 1.0' in metrics
+    assert 'kvgate_admin_requests_total{route="/admin/replicas/drain",status="200"} 1.0' in metrics

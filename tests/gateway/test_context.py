@@ -1,13 +1,24 @@
 """build_context: validation (4xx), session keys, hashing, sizes."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from gateway import prefix_hash as ph
-from gateway.context import ContextConfig, HashingConfig, SessionConfig, build_context, session_keys
+from gateway.context import (
+    MAX_JSON_DEPTH,
+    ContextConfig,
+    HashingConfig,
+    SessionConfig,
+    build_context,
+    session_keys,
+)
+from gateway.conversation import render_chat
 from gateway.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 
 CFG = ContextConfig()
@@ -26,7 +37,7 @@ def chat(**extra: Any) -> dict[str, Any]:
 def test_chat_context() -> None:
     ctx = ctx_of(chat(stream=True, max_tokens=7), headers={"x-request-id": "rid-1"})
     assert (ctx.endpoint, ctx.model, ctx.stream, ctx.max_tokens, ctx.request_id) == ("chat", "m", True, 7, "rid-1")
-    text = ph.render_chat([{"role": "user", "content": "x" * 1000}])
+    text = render_chat([{"role": "user", "content": "x" * 1000}])
     assert ctx.block_hashes == ph.chain_hashes(text.encode(), "m", 256, 8192) and len(ctx.block_hashes) == 3
     assert ctx.prompt_chars == len(text) and ctx.est_prompt_tokens == len(text) // 4 and ctx.block_tokens == 64
     assert ctx.routing_key == f"p:{ctx.block_hashes[0]:016x}" and ctx.routing_text == ""
@@ -145,3 +156,42 @@ def test_session_keys_configurable_and_bounded() -> None:
     assert long is not None and len(long) < 50
     ctx = ctx_of(chat(), headers={"x-kvgate-session": "k"})
     assert ctx.routing_key == "k" and ctx.session.session == "k"
+
+
+def _depth(value: object) -> int:
+    """Reference nesting depth (arrays and objects), recursive."""
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+def _nested(shape: list[int]) -> object:
+    """A value nested len(shape) levels deep: 0 wraps in a list, 1 in an object."""
+    value: object = "leaf"
+    for kind in reversed(shape):
+        value = [value, 1] if kind == 0 else {"k": value, "n": None}
+    return value
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@example([0] * (MAX_JSON_DEPTH - 1), "x_extra")  # exactly at the limit
+@example([1] * MAX_JSON_DEPTH, "x_extra")  # one beyond
+@example([0] * 300, "tools")  # beyond what orjson can re-serialize
+@given(st.lists(st.integers(0, 1), min_size=0, max_size=400), st.sampled_from(["x_extra", "tools", "content"]))
+def test_deep_nesting_is_a_400_beyond_the_limit_never_a_500(shape: list[int], where: str) -> None:
+    nested = _nested(shape)
+    message: dict[str, object] = {"role": "user", "content": [{"type": "image", "data": nested}]
+                                  if where == "content" else "hi"}
+    doc: dict[str, object] = {"model": "m", "messages": [message]}
+    if where == "tools":
+        doc["tools"] = [nested]
+    elif where == "x_extra":
+        doc["x_extra"] = nested
+    body = json.dumps(doc).encode()  # orjson itself refuses to write beyond 254 levels
+    if _depth(doc) > MAX_JSON_DEPTH:
+        with pytest.raises(InvalidRequest, match="nested deeper"):
+            build_context("chat", body, {}, "application/json", ContextConfig())
+    else:
+        assert build_context("chat", body, {}, "application/json", ContextConfig()).model == "m"

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
+import httpx
 import orjson
 import pytest
 from starlette.types import Message
 
 from gateway.proxy import RelayResponse, UsageSniffer, sse_error, upstream_headers, usage_of
+from gateway.relay import HeaderPolicy, downstream_headers
+from gateway.retry import PoisonBodies, RetryBudget
+from tests.gateway.test_app_unit import CHAT, FakeFleet, gateway, ok_completion, reply, settings_for
 
 USAGE_LINE = (b'data: {"id":"a","choices":[],"usage":{"prompt_tokens":1200,"total_tokens":1257,'
               b'"completion_tokens":57,"prompt_tokens_details":{"cached_tokens":1024}}}\n\n')
@@ -46,7 +51,28 @@ def test_usage_of_openai_and_generate() -> None:
 def test_upstream_headers_drop_hop_by_hop_only() -> None:
     raw = [(b"host", b"gw"), (b"content-length", b"3"), (b"connection", b"keep-alive"),
            (b"Transfer-Encoding", b"chunked"), (b"x-session-id", b"s1"), (b"authorization", b"Bearer k")]
-    assert upstream_headers(raw) == [(b"x-session-id", b"s1"), (b"authorization", b"Bearer k")]
+    assert upstream_headers(raw) == [(b"x-session-id", b"s1"), (b"x-forwarded-proto", b"http"),
+                                     (b"x-forwarded-host", b"gw")]
+
+
+def test_upstream_headers_hygiene() -> None:
+    raw = [(b"Connection", b"keep-alive, X-Secret-Hop"), (b"x-secret-hop", b"1"), (b"Expect", b"100-continue"),
+           (b"Proxy-Authorization", b"Basic x"), (b"proxy-foo", b"1"), (b"X-KVGate-Replica", b"http://evil"),
+           (b"x-forwarded-for", b"10.0.0.1"), (b"X-Forwarded-Proto", b"https"), (b"authorization", b"Bearer c"),
+           (b"x-keep", b"yes")]
+    out = upstream_headers(raw, HeaderPolicy(), client="127.0.0.9")
+    assert out == [(b"X-Forwarded-Proto", b"https"), (b"x-keep", b"yes"),
+                   (b"x-forwarded-for", b"10.0.0.1, 127.0.0.9")]
+    forwarded = upstream_headers(raw, HeaderPolicy(forward_authorization=True))
+    assert (b"authorization", b"Bearer c") in forwarded
+    keyed = upstream_headers(raw, HeaderPolicy(True, b"Bearer replica-key"))
+    assert [v for k, v in keyed if k.lower() == b"authorization"] == [b"Bearer replica-key"]
+
+
+def test_downstream_headers_drop_hop_by_hop_and_own_names() -> None:
+    raw = [(b"connection", b"close, x-hop"), (b"x-hop", b"1"), (b"keep-alive", b"timeout=5"), (b"date", b"d"),
+           (b"x-kvgate-replica", b"spoof"), (b"content-type", b"application/json"), (b"x-ok", b"1")]
+    assert downstream_headers(raw) == [(b"content-type", b"application/json"), (b"x-ok", b"1")]
 
 
 def test_sse_error_is_an_event_then_done() -> None:
@@ -97,3 +123,83 @@ async def test_relay_cleanup_runs_on_client_disconnect() -> None:
 async def test_relay_cleanup_runs_on_completion() -> None:
     sent, closed = await _cleanup_runs(disconnect_after=10_000)
     assert closed and len(sent) == 1000
+
+
+# -- retry semantics over fake replicas (httpx MockTransport through HttpxUpstream) ----------
+A3, B3, C3 = "http://127.0.0.1:40011", "http://127.0.0.1:40012", "http://127.0.0.1:40013"
+
+
+def _status(status: int) -> Callable[[httpx.Request], httpx.Response]:
+    def behaviour(request: httpx.Request) -> httpx.Response:
+        return reply(status, {"object": "error", "message": f"status {status}"})
+
+    return behaviour
+
+
+async def _post_n(fleet: FakeFleet, n: int, body: bytes = CHAT) -> tuple[list[httpx.Response], dict[str, Any]]:
+    async with gateway(fleet, settings_for([A3, B3, C3])) as client:
+        replies = [await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+                   for _ in range(n)]
+        views = {v["url"]: v for v in (await client.get("/admin/replicas")).json()["data"]}
+        metrics = (await client.get("/metrics")).text
+    return replies, {"views": views, "metrics": metrics}
+
+
+async def test_a_5xx_another_replica_answers_blames_the_first() -> None:
+    fleet = FakeFleet({A3: _status(500), B3: ok_completion, C3: ok_completion})
+    replies, seen = await _post_n(fleet, 15)
+    assert all(r.status_code == 200 for r in replies)
+    assert seen["views"][A3]["ejected"] and not seen["views"][B3]["ejected"]
+    assert 'kvgate_upstream_retries_total{reason="status_5xx"}' in seen["metrics"]
+    assert 'kvgate_replica_ejections_total{reason="consecutive",replica="http://127.0.0.1:40011"} 1.0' \
+        in seen["metrics"]
+
+
+async def test_a_5xx_from_two_replicas_is_the_request_s_own() -> None:
+    fleet = FakeFleet({A3: _status(500), B3: _status(500), C3: _status(500)})
+    replies, seen = await _post_n(fleet, 12)
+    assert [r.status_code for r in replies] == [500] * 12
+    assert replies[0].json() == {"object": "error", "message": "status 500"}  # relayed as it is
+    assert len(fleet.seen) == 13  # the first copy got a second opinion, the others no retry
+    assert not any(v["ejected"] for v in seen["views"].values())
+    assert 'kvgate_upstream_retries_total{reason="status_5xx"} 1.0' in seen["metrics"]
+
+
+async def test_overload_is_retried_and_blames_nobody() -> None:
+    fleet = FakeFleet({A3: _status(503), B3: _status(429), C3: ok_completion})
+    replies, seen = await _post_n(fleet, 12)
+    assert all(r.status_code == 200 and r.headers["x-kvgate-replica"] == C3 for r in replies)
+    assert not any(v["ejected"] for v in seen["views"].values())
+    assert 'kvgate_upstream_retries_total{reason="head_timeout"} 0.0' in seen["metrics"]  # pre-created
+    assert "kvgate_retry_budget_exhausted_total 0.0" in seen["metrics"]
+
+
+def test_retry_budget_and_poison_bodies() -> None:
+    budget = RetryBudget(ratio=0.2, minimum=3)
+    budget.requests = 10
+    assert [budget.try_acquire() for _ in range(4)] == [True, True, True, False]
+    budget.requests = 50
+    assert budget.try_acquire()  # 20 % of 50 = 10
+    budget.release()
+    now = [0.0]
+    poison = PoisonBodies(ttl_s=60.0, max_entries=2, clock=lambda: now[0])
+    for body in (b"a", b"b", b"c"):
+        poison.add(poison.fingerprint(body))
+    assert poison.fingerprint(b"a") not in poison  # evicted (LRU bound)
+    assert poison.fingerprint(b"c") in poison
+    now[0] = 61.0
+    assert poison.fingerprint(b"c") not in poison  # expired
+
+
+async def test_spent_retry_budget_returns_the_first_error() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    fleet = FakeFleet({A3: refuse, B3: refuse, C3: refuse})
+    s = settings_for([A3, B3, C3], upstream={"retry_budget_min": 0, "retry_budget_ratio": 0.0})
+    async with gateway(fleet, s) as client:
+        r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+    assert len(fleet.seen) == 1  # one attempt, no retry
+    assert "kvgate_retry_budget_exhausted_total 1.0" in metrics

@@ -152,7 +152,7 @@ async def test_admin_scale_endpoints_and_hit_feedback() -> None:
 
 async def test_admin_scale_needs_token() -> None:
     fake = FakeFleet({A: ok_completion})
-    async with gateway(fake, settings_for([A], admin_token="t")) as client:
+    async with gateway(fake, settings_for([A], admin={"token": "t"})) as client:
         assert (await client.get("/admin/scale")).status_code == 401
         ok = await client.get("/admin/scale", headers={"authorization": "Bearer t"})
     assert ok.status_code == 200 and ok.json()["candidate"] == A

@@ -28,8 +28,9 @@ class Gateway:
         self.proc = proc
         self.url = url
 
-    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.request(method, self.url + "/admin" + path, headers=AUTH, timeout=60.0, **kwargs)
+    def admin(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx.Response:
+        return httpx.request(method, self.url + "/admin" + path, headers=AUTH | (headers or {}), timeout=60.0,
+                             **kwargs)
 
     def replicas(self) -> dict[str, dict[str, Any]]:
         r = self.admin("GET", "/replicas")

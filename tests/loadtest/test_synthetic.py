@@ -1,7 +1,7 @@
 """The synthetic generator: seeded, and its statistics roughly as parameterised."""
 from __future__ import annotations
 
-from loadtest.results import percentile
+from loadtest.percentile import percentile
 from loadtest.synthetic import SyntheticParams, generate
 from loadtest.workload import Session, Turn
 

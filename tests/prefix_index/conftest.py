@@ -68,7 +68,8 @@ async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[MakeIndex]
         cfg = IndexConfig(**overrides)
         index: PrefixIndex
         if backend == "memory":
-            index = MemoryPrefixIndex(cfg.session_ttl_s, ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks))
+            index = MemoryPrefixIndex(cfg.session_ttl_s, ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks),
+                                      max_sessions=cfg.max_sessions)
         else:
             url = request.getfixturevalue("redis_url")
             redis.Redis.from_url(url).flushdb()

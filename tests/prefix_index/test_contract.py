@@ -7,6 +7,7 @@ and what the Redis backend's default boundary search relies on.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
@@ -185,3 +186,31 @@ async def test_long_chain(index: PrefixIndex) -> None:
     await index.record(B, long[:1500])
     got = await index.match(long, [A, B, C])
     assert got == {A: PrefixMatch(3000, 0), B: PrefixMatch(1500, 0), C: PrefixMatch()}
+
+
+async def test_random_session_ids_never_grow_the_table_past_its_bound(make_index: MakeIndex) -> None:
+    bound = 40
+    index = await make_index(max_sessions=bound)
+    rng = random.Random(10)
+    keys = [f"rand-{rng.getrandbits(64):016x}" for _ in range(300)]
+    for i, key in enumerate(keys):
+        await index.set_session(key, SessionEntry(A, 10, 1000.0 + i))  # last use grows with i
+        if i % 25 == 0:
+            assert (await index.stats()).sessions <= bound
+    stats = await index.stats()
+    assert stats.sessions == bound and stats.session_evictions == len(keys) - bound
+    assert all([await index.get_session(k) is not None for k in keys[-bound:]])
+    assert all([await index.get_session(k) is None for k in keys[:-bound]])
+    assert sum((await index.resident_tokens(2000.0, 10_000.0)).values()) == 10 * bound
+
+
+async def test_the_session_bound_evicts_the_least_recently_used(make_index: MakeIndex) -> None:
+    index = await make_index(max_sessions=3)
+    for i, key in enumerate(["a", "b", "c"]):
+        await index.set_session(key, SessionEntry(A, 1, 10.0 + i))
+    await index.set_session("a", SessionEntry(B, 2, 20.0))  # a used again: b is now the oldest
+    await index.set_session("d", SessionEntry(A, 1, 21.0))
+    assert await index.get_session("b") is None
+    assert [await index.get_session(k) for k in ("a", "c", "d")] == [
+        SessionEntry(B, 2, 20.0), SessionEntry(A, 1, 12.0), SessionEntry(A, 1, 21.0)]
+    assert (await index.stats()).session_evictions == 1

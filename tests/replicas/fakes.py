@@ -113,6 +113,7 @@ class FakeReplica:
     server_info: dict[str, Any] | None = field(default_factory=server_info_body)
     loads: dict[str, Any] | None = field(default_factory=lambda: loads_body((3, 1, 500, 0.25)))
     model: str = "kimi-k2"
+    hung: bool = False  # accepts connections, never answers: requests time out
     calls: list[str] = field(default_factory=list)
 
 
@@ -135,6 +136,8 @@ class FakeFleet:
         rep = self.replicas.get(base)
         if rep is None or rep.ready is None:
             raise httpx.ConnectError("connection refused", request=request)
+        if rep.hung:
+            raise httpx.ReadTimeout("timed out", request=request)
         path = request.url.path
         rep.calls.append(path)
         if path == "/ready":

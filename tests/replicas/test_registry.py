@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -80,7 +81,10 @@ async def test_hysteresis_unhealthy_after_three_failures_active_after_two_succes
     async with harness(A) as h:
         h.rep(A).ready = None
         await h.reg.probe_all()
-        h.reg.report_failure(A, "connect error")  # passive failures count too
+        for _ in range(10):
+            h.reg.report_failure(A, "connect")  # passive failures go to the outlier detector only
+        assert h.state(A) is ReplicaState.ACTIVE
+        await h.reg.probe_all()
         assert h.state(A) is ReplicaState.ACTIVE
         await h.reg.probe_all()
         assert h.state(A) is ReplicaState.UNHEALTHY
@@ -96,17 +100,64 @@ async def test_hysteresis_unhealthy_after_three_failures_active_after_two_succes
         ]
 
 
-async def test_passive_success_resets_the_failure_streak() -> None:
-    async with harness(A) as h:
-        for report in ("fail", "fail", "ok", "fail", "fail"):
+def _routable(h: Harness, url: str) -> bool:
+    view = next(v for v in h.reg.views() if v.id == url)
+    return view.routable
+
+
+async def test_passive_failures_eject_an_outlier_for_a_while() -> None:
+    async with harness(A, B, C) as h:
+        for report in ("fail", "fail", "ok", "fail", "fail", "fail", "fail"):
             if report == "ok":
                 h.reg.report_success(A)
             else:
-                h.reg.report_failure(A, "5xx")
-        assert h.state(A) is ReplicaState.ACTIVE
-        h.reg.report_failure(A, "5xx")
-        assert h.state(A) is ReplicaState.UNHEALTHY
+                h.reg.report_failure(A, "disconnect")
+        assert _routable(h, A)  # the success reset the streak: 4 in a row so far
+        h.reg.report_failure(A, "disconnect")
+        view = h.reg.get(A)
+        assert view is not None and view.ejected and not view.routable and view.state is ReplicaState.ACTIVE
+        assert h.reg.ejections_total == {(A, "consecutive"): 1}
+        for _ in range(5):
+            h.reg.report_failure(B, "disconnect")
+        assert _routable(h, B)  # 50 % of 3 replicas: one ejected at a time
+        h.clock.advance(31.0)
+        assert _routable(h, A)
+        h.reg.report_failure(A, "disconnect")  # still failing: ejected again at once, for longer
+        assert not _routable(h, A)
+        h.clock.advance(31.0)
+        assert not _routable(h, A)
+        h.clock.advance(30.0)
+        assert _routable(h, A)
         h.reg.report_failure("http://unknown:1", "ignored")
+
+
+async def test_the_last_routable_replica_is_never_ejected() -> None:
+    async with harness(A) as h:
+        for _ in range(20):
+            h.reg.report_failure(A, "disconnect")
+        assert _routable(h, A) and h.reg.ejections_total == {}
+
+
+async def test_probe_timeout_ejects_at_once_until_a_probe_answers(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with harness(A, B) as h:
+        h.rep(A).hung = True
+        await h.reg.probe_all()
+        assert not _routable(h, A) and h.state(A) is ReplicaState.ACTIVE
+        assert h.reg.ejections_total == {(A, "probe_timeout"): 1}
+        await h.reg.probe_all()
+        h.clock.advance(10.0)
+        await h.reg.probe_all()
+        assert h.state(A) is ReplicaState.UNHEALTHY  # three failed probes
+        h.rep(A).hung = False
+        await h.reg.probe_all()
+        assert _routable(h, A) is False  # unhealthy until two successes
+        await h.reg.probe_all()
+        assert _routable(h, A)
+    failures = [r for r in caplog.records if "probe of" in r.getMessage() and r.levelname == "WARNING"
+                and "failed" in r.getMessage()]
+    assert len(failures) == 1  # rate-limited: the first of the streak (the next ones within 30 s)
+    assert any("answers again after 3 failure(s)" in r.getMessage() for r in caplog.records)
 
 
 async def test_falls_back_to_health_when_ready_is_404() -> None:

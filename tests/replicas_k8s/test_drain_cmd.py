@@ -86,3 +86,16 @@ def test_cli_wiring_and_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "from-env")
     args = parse("--gateway", "http://g", "--replica", REPLICA)
     assert args.admin_token == "from-env" and args.timeout_s == 840.0 and not args.wait
+
+
+async def test_token_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVGATE_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("KVGATE_ADMIN__TOKEN", raising=False)
+    secret = tmp_path / "token"
+    secret.write_text("from-file\n")
+    fleet = Fleet([0], [0], deadline_s=840.0)
+    args = parse("--gateway", "http://g1:8000", "--replica", REPLICA, "--admin-token-file", str(secret))
+    assert await drain_cmd.main_async(args, httpx.MockTransport(fleet)) == 0
+    assert {auth for h, _, auth in fleet.log if h == "g1"} == {"Bearer from-file"}
+    monkeypatch.setenv("KVGATE_ADMIN__TOKEN_FILE", str(tmp_path / "missing"))
+    assert drain_cmd.run(parse("--gateway", "http://g1:8000", "--replica", REPLICA)) == 2

@@ -1,0 +1,113 @@
+"""The gateway's OpenAPI document, served on ``GET /openapi.json``.
+
+Written by hand rather than generated from the routes: the inference endpoints are plain
+Starlette routes that pass the body through unchanged, so their schemas here are the
+minimal OpenAI/SGLang request shapes the gateway itself reads (``model``, ``messages``
+with ``role``/``content``, ``prompt``, ``text``, ``stream``, ``max_tokens``, session
+fields); any other field is allowed and reaches the replica as sent. The admin routes
+take their request bodies from the pydantic models in ``gateway/admin.py`` and carry the
+``adminToken`` bearer security scheme. Schema-driven fuzzers (schemathesis,
+``tests/safety/test_fuzz.py``) work from this document.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.admin import DrainRequest, PrepareRemoval, ReplicaRef
+
+ERROR = {"$ref": "#/components/schemas/Error"}
+ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _responses(ok: dict[str, Any], *errors: int, ok_status: str = "200", sse: bool = False) -> dict[str, Any]:
+    content = _json(ok) | ({"text/event-stream": {"schema": {"type": "string"}}} if sse else {})
+    out: dict[str, Any] = {ok_status: {"description": "success", "content": content}}
+    for status in errors:
+        out[str(status)] = {"description": "error (OpenAI-shaped)", "content": _json(ERROR)}
+    return out
+
+
+INFERENCE_ERRORS = (400, 404, 413, 415, 429, 500, 502, 503, 504)
+MESSAGE = {
+    "type": "object", "required": ["role", "content"], "additionalProperties": True,
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": ANY_OBJECT}]},
+    },
+}
+COMMON = {
+    "model": {"type": "string"},
+    "stream": {"type": "boolean"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "user": {"type": "string"},
+    "session_id": {"type": "string"},
+}
+
+
+def _inference(summary: str, required: str, field: dict[str, Any]) -> dict[str, Any]:
+    body = {"type": "object", "required": [required], "additionalProperties": True,
+            "properties": COMMON | {required: field}}
+    return {"post": {"summary": summary, "operationId": summary.replace(" ", "_"),
+                     "requestBody": {"required": True, "content": _json(body)},
+                     "responses": _responses(ANY_OBJECT, *INFERENCE_ERRORS, sse=True)}}
+
+
+def _admin(method: str, summary: str, body: type | None = None, *, status: str = "200",
+           params: list[dict[str, Any]] | None = None, errors: tuple[int, ...] = (400, 401, 403)) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "operationId": "admin_" + summary.replace(" ", "_"),
+                          "security": [{"adminToken": []}],
+                          "responses": _responses(ANY_OBJECT, *errors, ok_status=status)}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": _json(body.model_json_schema())}  # type: ignore[attr-defined]
+    if params:
+        op["parameters"] = params
+    return {method: op}
+
+
+def _get(summary: str, *errors: int) -> dict[str, Any]:
+    return {"get": {"summary": summary, "operationId": summary.replace(" ", "_"),
+                    "responses": _responses(ANY_OBJECT, *errors)}}
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every endpoint the gateway serves."""
+    url_param = [{"name": "url", "in": "query", "required": True, "schema": {"type": "string"}}]
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": _inference("chat completions", "messages",
+                                           {"type": "array", "minItems": 1, "items": MESSAGE}),
+        "/v1/completions": _inference("completions", "prompt",
+                                      {"oneOf": [{"type": "string", "minLength": 1},
+                                                 {"type": "array", "minItems": 1, "items": {"type": "string"}}]}),
+        "/generate": _inference("generate", "text", {"type": "string", "minLength": 1}),
+        "/v1/models": _get("list models"),
+        "/health": _get("liveness"),
+        "/ready": _get("readiness", 503),
+        "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
+                             "responses": {"200": {"description": "text exposition format",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/admin/replicas": (_admin("get", "list replicas")
+                            | _admin("post", "add replica", ReplicaRef, status="201")
+                            | _admin("delete", "remove replica", params=url_param, errors=(400, 401, 403, 404))),
+        "/admin/replicas/drain": _admin("post", "drain replica", DrainRequest, errors=(400, 401, 403, 404)),
+        "/admin/replicas/undrain": _admin("post", "undrain replica", ReplicaRef, errors=(400, 401, 403, 404)),
+        "/admin/config": _admin("get", "effective config"),
+        "/admin/scale": _admin("get", "scale advice"),
+        "/admin/scale/prepare-removal": _admin("post", "prepare removal", PrepareRemoval),
+    }
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "code": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvgate", "version": "0.1.0",
+                 "description": "Cache-aware gateway in front of SGLang replicas (OpenAI-compatible)."},
+        "paths": paths,
+        "components": {"schemas": {"Error": error},
+                       "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer"}}},
+    }

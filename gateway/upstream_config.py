@@ -1,0 +1,76 @@
+"""The ``upstream`` section of the settings: how the gateway talks to replicas.
+
+Timeouts, retries, the retry budget, the connection pool, header forwarding and the
+replica API key. Durations carry their unit in the name. gateway/proxy.py's docstring
+draws which timeout bounds which phase of a request and what happens when it fires.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, SecretStr
+
+
+class UpstreamConfig(BaseModel):
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect to a replica")
+    head_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="streaming requests: from sending to the response head (SGLang sends stream headers at "
+        "once, so a longer wait means a hung replica); the attempt is retried elsewhere",
+    )
+    first_byte_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="streaming requests: from the response head to the first body chunk (queueing + "
+        "prefill); the attempt is aborted and retried elsewhere",
+    )
+    stall_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="streaming requests: longest silence between two chunks after the first; the stream "
+        "ends with an SSE error event and [DONE]",
+    )
+    total_timeout_s: float = Field(
+        default=900.0, gt=0,
+        description="non-streaming requests: the whole exchange; a slow generation is never resent, it "
+        "ends with 504 here",
+    )
+    read_timeout_s: float = Field(
+        default=120.0, gt=0,
+        description="non-streaming requests: longest silence while reading a body after its head",
+    )
+    max_retries: int = Field(
+        default=2, ge=0, description="extra attempts on other replicas when one fails before the first byte"
+    )
+    retry_budget_ratio: float = Field(
+        default=0.2, ge=0, le=1,
+        description="retries in flight may be at most this fraction of the requests in flight (Envoy's "
+        "retry budget) ...",
+    )
+    retry_budget_min: int = Field(
+        default=3, ge=0, description="... or this many, whichever is larger; beyond it the first error is returned"
+    )
+    poison_ttl_s: float = Field(
+        default=300.0, gt=0,
+        description="a body that got a 5xx from two replicas is remembered this long: its copies get no retry",
+    )
+    poison_max_entries: int = Field(default=4096, ge=1, description="bodies remembered as poison at most (LRU)")
+    reserve_margin: float = Field(
+        default=0.05, ge=0, le=1,
+        description="shared state only: replicas scoring within this of the policy's pick are interchangeable; "
+        "reserve() takes the least loaded of them across gateways (0: always the pick)",
+    )
+    max_connections: int = Field(
+        default=1024, ge=1, description="upstream connection pool size (all replicas), keep-alive"
+    )
+    max_connections_per_replica: int = Field(
+        default=0, ge=0, description="connections to one replica at most (0: no limit beyond max_connections)"
+    )
+    keepalive_timeout_s: float = Field(
+        default=4.0, gt=0,
+        description="close an idle pooled connection after this; under uvicorn's 5 s (SGLang's server), so "
+        "the gateway never writes into a connection the replica is closing",
+    )
+    forward_authorization: bool = Field(
+        default=False, description="forward the client's Authorization header to replicas"
+    )
+    replica_api_key: SecretStr | None = Field(
+        default=None,
+        description="sent to replicas as 'Authorization: Bearer <key>' (SGLang --api-key); replaces the client's",
+    )

@@ -1,0 +1,244 @@
+"""SGLang's KV-cache events: wire format, decoding, publisher discovery, sequence gaps.
+
+A replica started with ``--kv-events-config '{"publisher":"zmq","endpoint":...}'``
+publishes, from one scheduler per DP rank, what its radix cache stores and evicts:
+
+    ZMQ multipart  [topic, seq (8-byte big-endian, from 0 per publisher), msgpack(batch)]
+    batch          [ts: float, events: list, attn_dp_rank: int]          (array-like)
+    event (>= 0.5.22, tagged maps)
+        {"type": "BlockStored", "block_hashes": [i64...], "parent_block_hash": i64|nil,
+         "token_ids": [...], "block_size": int, "lora_id": nil, "medium": "GPU"|"CPU_PINNED"|...}
+        {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
+        {"type": "AllBlocksCleared"}
+    event (0.5.5 - 0.5.18, positional arrays, vLLM style)
+        ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium?, metadata?]
+        ["BlockRemoved", hashes, medium?]        ["AllBlocksCleared"]
+
+Both shapes decode to the same frozen values. A missing ``medium`` means ``GPU``.
+Discovery (``/server_info.kv_events``): ``{"publisher":"zmq","endpoint_host","endpoint_port_base",
+"topic","block_size","dp_size","replay_endpoint_port_base"?}``; rank r publishes on
+``endpoint_port_base + r``; a wildcard host (``*``, ``0.0.0.0``, ``::``) is replaced by the
+replica's own host and the publisher *binds* (the subscriber connects); with a concrete
+host the publisher *connects* (the subscriber must bind that address).
+Replay: a DEALER sends ``[b"", start_seq (8 bytes big-endian)]`` to the ROUTER at
+``replay_endpoint_port_base + r``; replies are ``[b"", topic, seq, payload]`` per buffered
+batch with seq >= start, then ``[b"", b"", seq=-1 (signed), b""]``.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+GPU = "GPU"
+CPU_PINNED = "CPU_PINNED"
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+REPLAY_END = -1
+
+
+class KvEventError(ValueError):
+    """A message that is not a KV event batch of a known shape."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str = GPU
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+    medium: str = GPU
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    seq: int
+    ts: float
+    dp_rank: int
+    events: tuple[Event, ...]
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise KvEventError(f"{what} must be a list of integers")
+    return tuple(value)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """Unigram ids, or the flattened pairs of bigram (EAGLE) keys."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return tuple(t for pair in value for t in _ints(pair, "token_ids pair"))
+    return _ints(value if value is not None else [], "token_ids")
+
+
+def _medium(value: Any) -> str:
+    return value if isinstance(value, str) and value else GPU
+
+
+def _event_from_map(raw: dict[str, Any]) -> Event:
+    kind = raw.get("type")
+    if kind == "BlockStored":
+        parent = raw.get("parent_block_hash")
+        return BlockStored(_ints(raw.get("block_hashes"), "block_hashes"),
+                           parent if isinstance(parent, int) else None, _token_ids(raw.get("token_ids")),
+                           int(raw.get("block_size") or 0), _medium(raw.get("medium")))
+    if kind == "BlockRemoved":
+        return BlockRemoved(_ints(raw.get("block_hashes"), "block_hashes"), _medium(raw.get("medium")))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise KvEventError(f"unknown event type {kind!r}")
+
+
+def _event_from_array(raw: list[Any]) -> Event:
+    kind = raw[0] if raw else None
+    if kind == "BlockStored" and len(raw) >= 5:
+        parent = raw[2]
+        medium = raw[6] if len(raw) > 6 else None
+        return BlockStored(_ints(raw[1], "block_hashes"), parent if isinstance(parent, int) else None,
+                           _token_ids(raw[3]), int(raw[4] or 0), _medium(medium))
+    if kind == "BlockRemoved" and len(raw) >= 2:
+        return BlockRemoved(_ints(raw[1], "block_hashes"), _medium(raw[2] if len(raw) > 2 else None))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise KvEventError(f"unknown positional event {kind!r}")
+
+
+def decode_event(raw: Any) -> Event:
+    if isinstance(raw, dict):
+        return _event_from_map(raw)
+    if isinstance(raw, list):
+        return _event_from_array(raw)
+    raise KvEventError(f"an event is a map or an array, got {type(raw).__name__}")
+
+
+def decode_batch(seq: int, payload: bytes) -> EventBatch:
+    """One batch from its msgpack payload (``seq`` from the frame before it)."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise KvEventError(f"not msgpack: {exc}") from exc
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise KvEventError("a batch is [ts, events, attn_dp_rank]")
+    rank = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else 0
+    ts = float(raw[0]) if isinstance(raw[0], (int, float)) else 0.0
+    return EventBatch(seq, ts, rank, tuple(decode_event(e) for e in raw[1]))
+
+
+def decode_seq(frame: bytes, *, signed: bool = False) -> int:
+    if len(frame) != 8:
+        raise KvEventError(f"sequence frame must be 8 bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=signed)
+
+
+def decode_message(frames: Sequence[bytes]) -> EventBatch:
+    """``[topic, seq, payload]`` as received by a SUB socket."""
+    if len(frames) != 3:
+        raise KvEventError(f"a KV event message has 3 frames, got {len(frames)}")
+    return decode_batch(decode_seq(frames[1]), frames[2])
+
+
+def encode_batch(events: Sequence[Event], ts: float = 0.0, dp_rank: int = 0) -> bytes:
+    """The 0.5.23 msgpack payload of ``events`` (what SGLang and the simulated replica send)."""
+    def one(e: Event) -> dict[str, Any]:
+        if isinstance(e, BlockStored):
+            return {"type": "BlockStored", "block_hashes": list(e.block_hashes),
+                    "parent_block_hash": e.parent_block_hash, "token_ids": list(e.token_ids),
+                    "block_size": e.block_size, "lora_id": None, "medium": e.medium}
+        if isinstance(e, BlockRemoved):
+            return {"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": e.medium}
+        return {"type": "AllBlocksCleared"}
+
+    return msgspec.msgpack.encode([ts, [one(e) for e in events], dp_rank])
+
+
+class SeqStatus(enum.Enum):
+    NEXT = "next"  # the expected batch
+    FIRST = "first"  # the first batch seen from this publisher
+    GAP = "gap"  # batches were lost between the last one and this one
+    OLD = "old"  # a duplicate or a replayed batch already applied
+    RESTART = "restart"  # seq went back to 0: the publisher (the replica) restarted
+
+
+@dataclass(slots=True)
+class SequenceTracker:
+    """The next sequence number expected from one publisher (one replica DP rank)."""
+
+    expected: int | None = None
+
+    def observe(self, seq: int) -> tuple[SeqStatus, int]:
+        """The status of ``seq`` and, for a GAP, the first missing seq."""
+        expected = self.expected
+        if expected is None:
+            self.expected = seq + 1
+            return SeqStatus.FIRST, seq
+        if seq == expected:
+            self.expected = seq + 1
+            return SeqStatus.NEXT, seq
+        if seq > expected:
+            self.expected = seq + 1
+            return SeqStatus.GAP, expected
+        if seq == 0:
+            self.expected = 1
+            return SeqStatus.RESTART, 0
+        return SeqStatus.OLD, seq
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherEndpoint:
+    """Where one DP rank of one replica publishes (and replays) its events."""
+
+    replica: str
+    dp_rank: int
+    endpoint: str  # tcp://host:port
+    bind: bool  # True: the subscriber binds (the publisher connects to a concrete host)
+    topic: bytes
+    block_size: int
+    replay_endpoint: str | None = None
+
+
+def _host_of(replica_url: str) -> str:
+    host = urlsplit(replica_url).hostname or "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def publishers(replica_url: str, server_info: Any) -> list[PublisherEndpoint]:
+    """The publisher endpoints a replica advertises in ``/server_info.kv_events`` (none: [])."""
+    info = server_info.get("kv_events") if isinstance(server_info, dict) else None
+    if not isinstance(info, dict) or info.get("publisher") != "zmq":
+        return []
+    base = info.get("endpoint_port_base")
+    if not isinstance(base, int) or base <= 0:
+        return []
+    host = str(info.get("endpoint_host") or "*")
+    wildcard = host in WILDCARD_HOSTS
+    target = _host_of(replica_url) if wildcard else (f"[{host}]" if ":" in host else host)
+    dp_size = info.get("dp_size")
+    ranks = dp_size if isinstance(dp_size, int) and dp_size > 0 else 1
+    replay = info.get("replay_endpoint_port_base")
+    topic = str(info.get("topic") or "").encode()
+    block = int(info.get("block_size") or 0)
+    return [
+        PublisherEndpoint(
+            replica=replica_url.rstrip("/"), dp_rank=r, endpoint=f"tcp://{target}:{base + r}",
+            bind=not wildcard, topic=topic, block_size=block,
+            replay_endpoint=f"tcp://{target}:{replay + r}" if isinstance(replay, int) and replay > 0 else None,
+        )
+        for r in range(ranks)
+    ]

@@ -1,0 +1,200 @@
+"""The client edge of a real ``kvgate serve``: deadlines, connection and concurrency caps,
+config errors at start-up.
+
+Finding 3 of issue 10: idle, slow-header and 1-byte-per-second-body connections were
+held forever, and 20,400 idle connections locked every new client (``/ready`` too) out.
+Deadlines here are set small (``--set server.*``); each wait is bounded by a socket
+timeout a few seconds above the deadline.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtest.simulator.fleet import SimFleet
+from tests.integration.conftest import Gateway, start_gateway
+from tests.support.procs import ROOT, kvgate_cmd
+
+pytestmark = pytest.mark.safety
+
+DEADLINE_S = 1.0
+BOUND_S = 8.0  # a socket read waits at most this long for the close
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
+    with SimFleet(1, profile="tiny", time_scale=1.0, seed=9, log_dir=tmp_path_factory.mktemp("sim")) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def gw(fleet: SimFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    g = start_gateway(fleet.urls, tmp_path_factory.mktemp("gw") / "gw.log",
+                      "--set", f"server.idle_timeout_s={DEADLINE_S}", "--set", f"server.header_timeout_s={DEADLINE_S}",
+                      "--set", f"server.body_timeout_s={DEADLINE_S}", "--set", "server.max_connections=200")
+    yield g
+    g.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def capped(fleet: SimFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    g = start_gateway(fleet.urls, tmp_path_factory.mktemp("capped") / "gw.log",
+                      "--set", "server.max_connections=6", "--set", "server.max_concurrent_requests=2",
+                      "--set", "server.header_timeout_s=20")
+    yield g
+    g.proc.stop()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=BOUND_S)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes (bounded by the socket timeout)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _answer(reply: bytes) -> tuple[bytes, dict[str, str]]:
+    """(status line and headers, the OpenAI error object) of a JSON error reply."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    error: dict[str, str] = json.loads(body)["error"]
+    return head, error
+
+
+def _metric(gw: Gateway, name: str) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=10.0).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_idle_connection_is_closed(gw: Gateway) -> None:
+    before = _metric(gw, 'kvgate_client_connections_closed_total{reason="idle"}')
+    with _connect(gw.url) as sock:
+        assert _read_all(sock) == b""  # closed by the server, nothing sent
+    assert _metric(gw, 'kvgate_client_connections_closed_total{reason="idle"}') == before + 1
+
+
+def test_slow_headers_get_408_and_close(gw: Gateway) -> None:
+    with _connect(gw.url) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
+        for _ in range(2):  # a header line now and then, never the end of the headers
+            time.sleep(DEADLINE_S / 3)
+            sock.sendall(b"x-slow: 1\r\n")
+        head, error = _answer(_read_all(sock))
+    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head
+    assert error["code"] == "request_timeout"
+
+
+def test_one_byte_per_interval_body_gets_408_and_close(gw: Gateway) -> None:
+    before = _metric(gw, 'kvgate_client_connections_closed_total{reason="body_timeout"}')
+    with _connect(gw.url) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000\r\n\r\n")
+        reply = b""
+        for byte in b'{"model": "tiny", "messages": [':
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sock.settimeout(0.25)  # a byte every 0.25 s: the whole body would take 250 s
+            try:
+                reply = sock.recv(65536)
+            except TimeoutError:
+                continue
+            break
+        sock.settimeout(BOUND_S)
+        reply += _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 408")
+    assert _metric(gw, 'kvgate_client_connections_closed_total{reason="body_timeout"}') == before + 1
+    assert "Traceback" not in gw.proc.output()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+    b"GET /health HTTP/1.1\r\nbad header\r\n\r\n",
+])
+def test_ambiguous_framing_is_400_json_and_closed(gw: Gateway, request_bytes: bytes) -> None:
+    with _connect(gw.url) as sock:
+        sock.sendall(request_bytes)
+        head, error = _answer(_read_all(sock))
+    assert head.startswith(b"HTTP/1.1 400") and b"connection: close" in head
+    assert error["type"] == "invalid_request_error"
+
+
+def test_idle_connections_beyond_the_cap_do_not_lock_clients_out(gw: Gateway) -> None:
+    before = _metric(gw, 'kvgate_client_connections_closed_total{reason="evicted"}')
+    socks = []
+    try:
+        for _ in range(300):  # max_connections is 200: the oldest idle ones are evicted
+            socks.append(_connect(gw.url))
+        r = httpx.get(gw.url + "/ready", timeout=5.0)
+        evicted = _metric(gw, 'kvgate_client_connections_closed_total{reason="evicted"}') - before
+        open_now = _metric(gw, "kvgate_client_connections ")
+    finally:
+        for s in socks:
+            s.close()
+    assert r.status_code == 200 and r.json()["ready"] is True
+    assert evicted >= 100 and open_now <= 200
+
+
+def test_connection_cap_refuses_when_no_connection_is_idle(capped: Gateway) -> None:
+    busy = []
+    try:
+        for _ in range(6):  # every slot mid-request (headers begun, not finished)
+            s = _connect(capped.url)
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            busy.append(s)
+        time.sleep(0.2)
+        with _connect(capped.url) as extra:
+            reply = _read_all(extra)
+    finally:
+        for s in busy:
+            s.close()
+    head, error = _answer(reply)
+    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head
+    assert error["code"] == "connection_cap"
+
+
+def test_concurrency_cap_answers_503_json_and_probes_still_pass(capped: Gateway) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 600,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30.0) as a, httpx.Client(timeout=30.0) as b, \
+            a.stream("POST", capped.url + "/v1/chat/completions", json=body) as s1, \
+            b.stream("POST", capped.url + "/v1/chat/completions", json=body) as s2:
+        assert s1.status_code == s2.status_code == 200
+        third = httpx.post(capped.url + "/v1/chat/completions", json=body | {"stream": False}, timeout=10.0)
+        health = httpx.get(capped.url + "/health", timeout=5.0)
+        ready = httpx.get(capped.url + "/ready", timeout=5.0)
+    assert third.status_code == 503 and third.headers["retry-after"] == "1"
+    assert third.json()["error"] == {"message": third.json()["error"]["message"], "type": "service_unavailable",
+                                     "code": "concurrency_cap", "param": None}
+    assert health.status_code == 200 and ready.status_code == 200
+    assert _metric(capped, 'kvgate_requests_rejected_total{reason="concurrency_cap"}') >= 1
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [
+    ("bad.yaml", "server:\n  max_connections: [1\n", "kvgate serve: config file {p}, line 3: "),
+    ("bad.toml", "[server]\nidle_timeout_s = -1\n",
+     "kvgate serve: config file {p}, line 2: field server.idle_timeout_s: Input should be greater than 0"),
+    ("bad.yaml", "admin:\n  port: 70000\n",
+     "kvgate serve: config file {p}, line 2: field admin.port: Input should be less than or equal to 65535"),
+])
+def test_config_errors_are_one_line_and_exit_2(tmp_path: Path, name: str, text: str, expected: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    done = subprocess.run(kvgate_cmd("serve", "--config", str(path)), capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(expected.format(p=path))
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,76 @@
+"""Clients that leave: the upstream request is cancelled (the replica sees the disconnect),
+the request is counted as 499, nothing is logged as an error."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Gateway, start_gateway, wait_until
+from tests.safety.raw_replica import RawFleet, raw_fleet
+
+pytestmark = pytest.mark.safety
+ABANDONED = 6  # of each kind: non-streaming, streaming
+
+
+def _count_499(gw: Gateway) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=5.0).text
+    found = re.search(r'kvgate_requests_total\{endpoint="chat",status="499"\} (\S+)', text)
+    return float(found.group(1)) if found else 0.0
+
+
+async def _abandon(url: str, i: int) -> None:
+    body = json.dumps({"model": "m", "stream": i % 2 == 1, "messages": [{"role": "user", "content": f"q{i}"}]})
+    async with httpx.AsyncClient(timeout=0.5) as client:
+        with pytest.raises(httpx.TimeoutException):
+            await client.post(url + "/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json", "x-raw-mode": "hang"})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RawFleet, Gateway]]:
+    log_dir = tmp_path_factory.mktemp("cancel")
+    with raw_fleet(1, log_dir) as fleet:
+        gateway = start_gateway(fleet.urls, log_dir / "gateway.log")
+        try:
+            yield fleet, gateway
+        finally:
+            gateway.proc.stop()
+
+
+def _quiet(gw: Gateway) -> None:
+    log = gw.proc.output()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+def test_abandoned_requests_are_cancelled_upstream_and_counted_499(setup: tuple[RawFleet, Gateway]) -> None:
+    fleet, gw = setup
+    gone, counted = fleet.stats(0)["disconnects"], _count_499(gw)
+
+    async def run() -> None:
+        await asyncio.gather(*(_abandon(gw.url, i) for i in range(2 * ABANDONED)))
+
+    asyncio.run(asyncio.wait_for(run(), 20.0))
+    wait_until(lambda: fleet.stats(0)["disconnects"] - gone == 2 * ABANDONED, 10.0,
+               "the replica sees every client leave")
+    wait_until(lambda: _count_499(gw) - counted == 2 * ABANDONED, 10.0, "499s counted")
+    assert all(v["in_flight"] == 0 for v in gw.replicas().values())
+    _quiet(gw)
+
+
+def test_client_leaving_during_upload_is_a_quiet_499(setup: tuple[RawFleet, Gateway]) -> None:
+    fleet, gw = setup
+    sent, counted = fleet.stats(0)["requests"], _count_499(gw)
+    host, port = gw.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100000\r\n\r\n{\"model\": \"m\", \"messa")
+    wait_until(lambda: _count_499(gw) - counted == 3, 10.0, "499s counted")
+    assert fleet.stats(0)["requests"] == sent  # nothing reached the replica
+    _quiet(gw)
