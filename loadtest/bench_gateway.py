@@ -36,6 +36,7 @@ import orjson
 
 from loadtest.bench_hashing import make_body
 from loadtest.bench_simulator import process_cpu_s
+from loadtest.percentile import percentile
 from loadtest.simulator.fleet import SimFleet, free_port, wait_healthy
 
 PROFILE = "kimi-k2.6-b200-tp8"
@@ -55,8 +56,8 @@ def large_body(kb: int) -> bytes:
 
 
 def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """``q`` as a fraction (0.99), the project's one percentile (loadtest.percentile)."""
+    return percentile(values, q * 100) or 0.0
 
 
 def _timed_post(client: httpx.Client, url: str, body: bytes) -> float:

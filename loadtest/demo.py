@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -158,13 +157,14 @@ def scaled_profile(name_or_path: str, kv_scale: float, out_dir: Path) -> str:
     """
     if kv_scale == 1.0:
         return name_or_path
-    from loadtest.simulator.profile import PROFILES_DIR
+    from loadtest.simulator.profile import load_profile
 
-    src = Path(name_or_path) if name_or_path.endswith(".toml") else PROFILES_DIR / f"{name_or_path}.toml"
-    data = tomllib.loads(src.read_text(encoding="utf-8"))
+    profile = load_profile(name_or_path)  # resolved: launch facts included, so the copy stands alone
+    data = dataclasses.asdict(profile)
     for key in ("device_tokens", "host_tokens"):
-        data[key] = max(1, int(data[key] * kv_scale))
-    data["name"] = f"{data.get('name', src.stem)}-kv{kv_scale:g}"
+        data[key] = max(1 if key == "device_tokens" else 0, int(data[key] * kv_scale))
+    data["name"] = f"{profile.name}-kv{kv_scale:g}"
+    data["spec_algorithm"] = data["spec_algorithm"] or ""
     out = out_dir / f"{data['name']}.toml"
     out.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in data.items()), encoding="utf-8")
     return str(out)

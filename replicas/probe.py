@@ -3,7 +3,9 @@
 Every function takes the process's one shared ``httpx.AsyncClient`` and never raises
 for an unreachable or misbehaving replica: it returns a result the registry can act
 on. Parsers are pure and tested against bodies shaped like SGLang 0.5.23's
-(/work/shared/reference/sglang-0.5.23-contract.md §1.2, §1.4, §1.5).
+(``/server_info``, ``/v1/models``, ``/v1/loads``: SGLang's ``entrypoints/http_server.py``
+and ``v1_loads.py``; the simulated replica serves the same shapes, compared with the
+real server in ``tests/sglang_real``).
 
 - ``probe_readiness``: ``GET /ready`` (SGLang >= 0.5.22: 200 ready, 503 starting,
   paused or SIGTERM-draining). A 404 means an older SGLang: the caller switches the

@@ -7,8 +7,7 @@
 
 The peers are separate programs, each in its own virtual environment under
 ``.venv-peers/`` (``bash loadtest/peers/install.sh``); they are not kvgate dependencies.
-Every peer runs with the loopback rules of the peers reference
-(/work/shared/reference/peers.md): the model hub and the proxies pointed at a dead local
+Every peer runs with these loopback rules: the model hub and the proxies pointed at a dead local
 port (``HF_ENDPOINT``, ``HTTP(S)_PROXY`` = ``http://127.0.0.1:9``), ``--host 127.0.0.1
 --prometheus-host 127.0.0.1`` on free ports, ``--log-level warn`` (info costs ~20% CPU).
 

@@ -29,7 +29,7 @@ from tests.deploy.promql import metric_names
 
 DASHBOARD = DEPLOY / "base" / "kvgate-dashboard.json"
 RULES = DEPLOY / "base" / "prometheusrule.yaml"
-CONTRACT = Path("/work/shared/reference/sglang-0.5.23-contract.md")
+CONTRACT = Path(__file__).resolve().parents[3] / "shared" / "reference" / "sglang-0.5.23-contract.md"  # ../shared
 
 # real SGLang (0.5.23) series the simulated replica does not export -> why the dashboard uses it
 REAL_SGLANG_ONLY: dict[str, str] = {

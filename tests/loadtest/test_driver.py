@@ -18,8 +18,8 @@ from loadtest.driver import (
     check_target,
     drive,
 )
-from loadtest.sse import StreamParser
 from loadtest.simulator.fleet import SimFleet
+from loadtest.sse import StreamParser
 from loadtest.synthetic import SyntheticParams, generate
 from loadtest.traces import load
 from loadtest.workload import Session, Turn, Workload

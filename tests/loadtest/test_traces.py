@@ -10,7 +10,7 @@ import pytest
 from loadtest import traces
 from loadtest.workload import Session, common_prefix_len
 
-SHARED = Path("/work/shared/traces")
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"  # ../shared beside the project
 CC = SHARED / "claude-code"
 needs_shared = pytest.mark.skipif(not CC.is_dir(), reason="shared traces not on this machine")
 
