@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from rich.console import Console
 
+from loadtest.fleetsim.capacity import add_capacity_arguments, run_capacity
 from loadtest.fleetsim.metrics import oracle_summary
 from loadtest.fleetsim.run import SimConfig, run_policy
 from loadtest.fleetsim.sessions import Pacing
@@ -65,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--trace synthetic: multiply every token size (e.g. 0.02 for the tiny profile)")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results JSON here")
     p.add_argument("--quiet", action="store_true", help="no table")
+    add_capacity_arguments(p)
 
 
 def load_workload(args: argparse.Namespace, report: LoadReport | None = None) -> Workload:
@@ -137,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     report = LoadReport()
     workload = load_workload(args, report)
+    if args.capacity:
+        base = make_config(args)
+        return run_capacity(args, workload, base, config_dict(args, base, workload), names)
     cfg = make_config(args)
     console.print(f"loaded {len(workload.sessions)} sessions, {workload.request_count():,} requests "
                   f"in {time.perf_counter() - t0:.1f} s; trace entries {report.summary()}")

@@ -2,8 +2,10 @@
 
 Per candidate replica we estimate, in seconds, the TTFT this request would see there
 (`policies.ttft_cost`: uncached prefill + host load-back + queue + decode interference
-+ saturation + eviction of the resident working set + queue externality, plus
-``move_margin_s`` on every replica but the session's own) and pick the lowest.
+(per running request, and one decode step per prefill chunk on a decoding replica) +
+saturation + eviction of the resident working set + queue externality, plus
+``move_margin_s`` on every replica but the session's own, plus for a new session the
+placement term of `policies.placement`) and pick the lowest.
 
 Why this rule. Simulating real Claude Code sessions showed the rule that matters: stay
 on the replica holding the session's KV unless its queue would delay the request by
@@ -23,11 +25,9 @@ How the defaults were chosen (docs/benchmarks.md, section 1.3): a virtual-time r
 the bench-peers setting (8 replicas of kimi-k2.6-b200-tp8 with KV pools x0.25, 128
 Claude Code sessions in three disjoint slices, 32/64/128 concurrent and think times
 x0.1, with and without a 60 s ramp). Every hit-rate point cache-aware lost to the
-oracle came from moved turns (a move recomputes the session and evicts others). At
-128 sessions without ramp, averaged over the three slices, margin 1.0 without the
-abandon charge moved sessions 56 times per ~2,270 requests and lost 1.4 points; these
-defaults move them 26 times and lose 0.7 (TTFT p99 moved both ways by slice).
-``crowd_weight`` (0.1 per s) sends long prefills to replicas with fewer
+oracle came from moved turns (a move recomputes the session and evicts others); the
+abandon charge and the 2 s margin halve the moves there (the figures are in that
+section, not here). ``crowd_weight`` (0.1 per s) sends long prefills to replicas with fewer
 live sessions (see `policies.ttft_cost`).
 
 The *eviction* term accounts for the resident working set: KV of live sessions between
@@ -40,8 +40,21 @@ A subagent's first turn (no session entry, parent entry present) treats the pare
 replica as holding ``parent_prefix_fraction`` of the prompt when the index knows no
 prefix of it anywhere: subagents share tools and much of their context with the parent.
 
+New sessions are placed for where they will live, not only for their first turn
+(`policies.placement`): a burst of new sessions sharing a system prompt spreads instead
+of following predict-on-route onto the first replica that holds the prompt; reason
+``spread`` when a new session starts away from the longest match of its prompt.
+
 Scores: ``(best + floor) / (cost + floor)`` with ``floor = tie_tolerance_s /
-tie_tolerance``; 1.0 for the best. With this floor the picker's relative tolerance
+tie_tolerance``; 1.0 for the best. For a one-shot request (no session key), costs
+are compared after subtracting the prefill every candidate pays at least: on a long
+uncached prompt (a 48k-token document: 1.2 s everywhere, x1.5 with the externality) a
+90 ms difference in queue or interleave is a real difference, not 5% of the whole and
+so a tie (on the Mooncake trace such ties put long prompts on decoding replicas and set
+the TTFT p99). A session's turns keep the tolerance on the whole cost: a new session
+lives where it starts, so a herd of new sessions on the replica that looks a few
+percent better in one snapshot costs far more than one slower first turn (and in the
+Claude Code replays the strict comparison raised the TTFT p99 of the start-up burst). With this floor the picker's relative tolerance
 ``tie_tolerance`` means "within 5% or 20 ms of the best" (defaults), and the seeded rng
 picks among those ties (herding defence). A second scorer, ``new-session`` (weight
 0.15), only speaks for new sessions: it prefers NEW replicas (joined within
@@ -59,6 +72,7 @@ from policies.config import parse_params, parse_weights
 from policies.filters import is_new_session, standard_filters
 from policies.framework import Explanation, Pipeline
 from policies.pickers import MaxScorePicker
+from policies.placement import is_new_conversation
 from policies.ttft_cost import (
     CacheAwareParams,
     TtftEstimate,
@@ -86,7 +100,10 @@ class TtftScorer:
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> dict[ReplicaId, float]:
         home = home_replica(inputs, candidates)
-        costs = {c.id: estimate(ctx, inputs, c, home, self.params).total_s for c in candidates}
+        estimates = [estimate(ctx, inputs, c, home, self.params) for c in candidates]
+        # one-shot requests: the prefill every candidate pays is no choice, judge ties on the rest
+        common = 0.0 if ctx.session.session else min((e.prefill_s for e in estimates), default=0.0)
+        costs = {e.replica: e.total_s - common for e in estimates}
         best = min(costs.values(), default=0.0)
         floor = score_floor_s(self.params)
         return {
@@ -118,7 +135,11 @@ class NewSessionScorer:
 
 
 class CacheAwareExplainer:
-    """Reasons: only-one, affinity, moved, parent, prefix, new-session, balance."""
+    """Reasons: only-one, affinity, moved, parent, prefix, new-session, spread, balance.
+
+    ``spread``: a new session started away from the longest match of its prompt (the
+    shared prefix is recomputed there once; see `policies.placement`).
+    """
 
     name = "cache-aware"
 
@@ -162,7 +183,9 @@ class CacheAwareExplainer:
         )
         if mine.cached_tokens > 0 and mine.cached_tokens >= best_cached:
             return "prefix"
-        return "new-session" if is_new_session(inputs) else "balance"
+        if is_new_session(inputs):
+            return "new-session"
+        return "spread" if is_new_conversation(ctx, inputs) else "balance"
 
 
 def build(params: Mapping[str, Any] | None, seed: int | None) -> Pipeline:

@@ -17,6 +17,11 @@ seconds (see `policies/cache_aware.py` for why this rule, and README.md for para
                    resident working set / its KV capacity, at most 1.5)
     affinity     = on every replica but the session's own: move_margin_s
                    + abandon_weight * (cached at home - cached here) / prefill_tokens_per_s
+    interleave   = ceil(uncached / prefill_chunk_tokens) * decode_step_s, only on a
+                   replica with requests running (chunks and decode steps alternate)
+    placement    = a NEW session only: spread_weight * (the replica's resident working
+                   set - the candidates' mean, when positive) / prefill_tokens_per_s
+                   (`policies.placement`: plan where the session will live)
 
 Matched tokens come from the prefix index (``inputs.matches``, device and host tiers,
 times ``ctx.block_tokens``). The gateway's own pending work and the replica's reported
@@ -31,6 +36,13 @@ long prefills go to replicas with fewer live sessions.
 replica's LRU) and recomputes it; charging that recompute once more makes moving a long
 session much rarer than moving a short one (losing a long session's KV is what costs
 hit rate).
+*Interleave*: SGLang's scheduler (no mixed chunk) alternates prefill chunks of
+``chunked_prefill_size`` tokens with decode steps while requests decode, so a prefill of
+U uncached tokens on a replica that is decoding anything takes about ``ceil(U / chunk)``
+decode steps longer than on an idle one (a 48k-token first turn: 6 steps, ~0.09 s).
+``decode_weight_s`` per running request cannot see that: it is per prefill chunk, not
+per running request. Defaults: SGLang's ``chunked_prefill_size`` 8192 for large GPUs
+and a decode step of ~15 ms at low batch (the default profile's base step).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.base import RequestContext, RoutingInputs
+from policies.placement import spread_s
 from prefix_index.base import PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
 
@@ -61,6 +74,10 @@ class CacheAwareParams:
     parent_prefix_fraction: float = (
         0.5  # share of a subagent's prompt assumed cached on the parent's replica
     )
+    prefill_chunk_tokens: int = 8192  # SGLang's chunked_prefill_size (large GPUs)
+    decode_step_s: float = 0.015  # one decode step between two prefill chunks
+    spread_weight: float = 1.0  # new sessions: x recompute of the working set above the mean
+    placement_max_shared_tokens: int = 32_768  # a longer match is the session's own KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +93,7 @@ class TtftEstimate:
     eviction_s: float
     affinity_s: float
     externality_s: float = 0.0
+    placement_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -86,6 +104,7 @@ class TtftEstimate:
             + self.eviction_s
             + self.affinity_s
             + self.externality_s
+            + self.placement_s
         )
 
 
@@ -115,8 +134,11 @@ def parent_tokens(
     return shared // ctx.block_tokens * ctx.block_tokens
 
 
-def _interference_s(view: ReplicaView, p: CacheAwareParams) -> float:
-    cost = p.decode_weight_s * max(view.decoding, view.reported_running)
+def _interference_s(view: ReplicaView, uncached: int, p: CacheAwareParams) -> float:
+    running = max(view.decoding, view.reported_running)
+    cost = p.decode_weight_s * running
+    if running > 0 and uncached > 0 and p.prefill_chunk_tokens > 0:
+        cost += -(-uncached // p.prefill_chunk_tokens) * p.decode_step_s
     slots = view.max_running_requests
     busy = max(view.in_flight, view.reported_running + view.reported_waiting)
     if slots > 0 and busy >= slots:
@@ -198,10 +220,12 @@ def estimate(
         uncached_tokens=uncached,
         prefill_s=uncached / p.prefill_tokens_per_s + host / p.host_load_tokens_per_s,
         queue_s=waiting / p.prefill_tokens_per_s,
-        interference_s=_interference_s(view, p),
+        interference_s=_interference_s(view, uncached, p),
         eviction_s=_eviction_s(ctx, inputs, view, p),
         affinity_s=_affinity_s(ctx, inputs, view, home, p),
         externality_s=_externality_s(uncached, inputs, view, p),
+        placement_s=spread_s(ctx, inputs, view, p.spread_weight, p.prefill_tokens_per_s,
+                             p.placement_max_shared_tokens),
     )
 
 

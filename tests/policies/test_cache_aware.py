@@ -197,10 +197,13 @@ def test_estimate_components() -> None:
     assert e.uncached_tokens == 2_000 - 15 * BLOCK_TOKENS
     assert e.prefill_s == pytest.approx(e.uncached_tokens / 40_000 + 5 * BLOCK_TOKENS / 1_000_000)
     assert e.queue_s == pytest.approx(8_000 / 40_000)  # max of own and reported, not the sum
-    assert e.interference_s == pytest.approx(0.002 * 5)
-    assert e.affinity_s == 0.0 and e.eviction_s == 0.0
+    # per running request, plus one decode step between prefill chunks (one chunk here)
+    assert e.interference_s == pytest.approx(0.002 * 5 + 0.015)
+    assert e.affinity_s == 0.0 and e.eviction_s == 0.0 and e.placement_s == 0.0
     full = dataclasses.replace(v, max_running_requests=4, in_flight=5)
-    assert estimate(ctx(2_000), snap, full, None, p).interference_s == pytest.approx(0.01 + 2 * 0.5)
+    assert estimate(ctx(2_000), snap, full, None, p).interference_s == pytest.approx(
+        0.01 + 0.015 + 2 * 0.5
+    )
 
 
 def test_same_seed_same_decisions() -> None:
