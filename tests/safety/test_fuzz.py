@@ -30,10 +30,10 @@ from tests.integration.conftest import AUTH, Gateway, start_gateway
 
 pytestmark = pytest.mark.safety
 
-EXAMPLES_PER_OPERATION = 150  # plus each operation's coverage-phase cases
+EXAMPLES_PER_OPERATION = 250  # plus each operation's coverage-phase cases
 CHAT = "/v1/chat/completions"
-CHAT_EXAMPLES = 60
-MIN_CASES = 2000
+CHAT_EXAMPLES = 100
+MIN_CASES = 3000
 GATEWAY_ERROR_TYPES = {"internal_error", "upstream_error", "service_unavailable", "invalid_request_error",
                        "authentication_error", "permission_error", "server_shutdown"}
 schema = schemathesis.openapi.from_dict(openapi_document())
