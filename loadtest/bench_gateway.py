@@ -4,7 +4,9 @@ One simulated replica (``kimi-k2.6-b200-tp8`` profile, so a 400 KB prompt fits i
 context) runs at a very high ``--time-scale`` (compute ~ 0) and is called with
 ``max_tokens = 1``, non-streaming, over keep-alive connections, one request at a time:
 once directly, once through a real ``kvgate serve`` process, alternating so drift hits
-both sides alike. Reported per body size (a small chat request; an agent-shaped
+both sides alike (``measure_async``, shared with ``kvgate bench peers --overhead``, which
+also runs it streamed and with several requests in flight per round, and ``open_loop``,
+its Poisson arrivals for the maximum-rate search). Reported per body size (a small chat request; an agent-shaped
 ~400 KB chat request from ``loadtest.bench_hashing.make_body``):
 
 - p50 / p99 wall latency, direct and through the gateway, and the added p50 / p99
@@ -24,14 +26,17 @@ a comparison, measure sglang-router in the same run with the same method
 from __future__ import annotations
 
 import argparse
+import asyncio
+import random
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from loadtest.bench_hashing import make_body
@@ -41,6 +46,7 @@ from loadtest.simulator.fleet import SimFleet, free_port, wait_healthy
 
 PROFILE = "kimi-k2.6-b200-tp8"
 MODEL = "kimi-k2.6"
+JSON = {"content-type": "application/json"}
 
 
 def small_body() -> bytes:
@@ -60,36 +66,108 @@ def _pct(values: Sequence[float], q: float) -> float:
     return percentile(values, q * 100) or 0.0
 
 
-def _timed_post(client: httpx.Client, url: str, body: bytes) -> float:
+def with_stream(body: bytes, stream: bool, max_tokens: int = 1) -> bytes:
+    """``body`` with ``stream`` and ``max_tokens`` set (a streamed case needs a few chunks)."""
+    data = orjson.loads(body)
+    data.update(stream=stream, max_tokens=max_tokens)
+    return orjson.dumps(data)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Interleaved samples (seconds): ``direct[i]`` and ``via[i]`` were taken in one round.
+
+    ``*_ttfb``: time to the first byte of the response body; ``*_total``: to its end."""
+
+    direct_ttfb: list[float]
+    direct_total: list[float]
+    via_ttfb: list[float]
+    via_total: list[float]
+    cpu_s: float
+
+    @property
+    def requests(self) -> int:
+        return len(self.via_total)
+
+
+async def timed_post(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[float, float]:
+    """(seconds to the first body byte, seconds to the end) of one POST; raises unless 200."""
     start = time.perf_counter()
-    r = client.post(url, content=body, headers={"content-type": "application/json"})
-    elapsed = time.perf_counter() - start
-    if r.status_code != 200:
-        raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
-    return elapsed
+    first: float | None = None
+    async with session.post(url, data=body, headers=JSON) as r:
+        async for _chunk in r.content.iter_any():
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}")
+    return (first or end) - start, end - start
+
+
+async def _batch(session: aiohttp.ClientSession, url: str, body: bytes, c: int) -> list[tuple[float, float]]:
+    return list(await asyncio.gather(*(timed_post(session, url, body) for _ in range(c))))
+
+
+def client_session(limit: int) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+                                 timeout=aiohttp.ClientTimeout(total=60.0))
+
+
+async def measure_async(replica: str, gateway: str, gateway_pid: int, body: bytes, n: int,
+                        concurrency: int = 1) -> Samples:
+    """Rounds of ``concurrency`` requests straight to the replica, then as many through the
+    gateway, until ``n`` per side; the gateway's CPU is counted around its own rounds."""
+    path = "/v1/chat/completions"
+    d_ttfb: list[float] = []
+    d_total: list[float] = []
+    v_ttfb: list[float] = []
+    v_total: list[float] = []
+    cpu_s = 0.0
+    async with client_session(concurrency) as direct, client_session(concurrency) as via:
+        for _ in range(5):  # warm up connections, caches, code paths
+            await _batch(direct, replica + path, body, concurrency)
+            await _batch(via, gateway + path, body, concurrency)
+        while len(v_total) < n:
+            for t, e in await _batch(direct, replica + path, body, concurrency):
+                d_ttfb.append(t)
+                d_total.append(e)
+            before = process_cpu_s(gateway_pid)
+            for t, e in await _batch(via, gateway + path, body, concurrency):
+                v_ttfb.append(t)
+                v_total.append(e)
+            cpu_s += process_cpu_s(gateway_pid) - before
+    return Samples(d_ttfb, d_total, v_ttfb, v_total, cpu_s)
+
+
+async def open_loop(url: str, body: bytes, rate: float, n: int, seed: int) -> tuple[list[float], float]:
+    """``n`` requests with Poisson arrivals at ``rate``/s (seeded), not waiting for answers;
+    returns each one's total latency (s) and the share of the schedule the client kept up
+    with (scheduled / actual time to send them all: below 1 when it lagged)."""
+    rng = random.Random(seed)
+    path = url + "/v1/chat/completions"
+    async with client_session(0) as session:  # no connection cap: arrivals never wait for one
+        await _batch(session, path, body, 2)
+        tasks: list[asyncio.Task[tuple[float, float]]] = []
+        start = due = time.perf_counter()
+        for _ in range(n):
+            due += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            tasks.append(asyncio.create_task(timed_post(session, path, body)))
+        kept_up = (due - start) / max(time.perf_counter() - start, 1e-9)
+        return [total for _, total in await asyncio.gather(*tasks)], kept_up
 
 
 def measure(replica: str, gateway: str, gateway_pid: int, body: bytes, n: int) -> dict[str, float]:
-    """Alternate direct / gateway requests; gateway CPU is counted over its own requests."""
-    direct: list[float] = []
-    through: list[float] = []
-    cpu_s = 0.0
-    with httpx.Client(timeout=60.0, trust_env=False) as client:
-        for _ in range(5):  # warm up connections, caches, code paths
-            _timed_post(client, replica + "/v1/chat/completions", body)
-            _timed_post(client, gateway + "/v1/chat/completions", body)
-        for _ in range(n):
-            direct.append(_timed_post(client, replica + "/v1/chat/completions", body))
-            before = process_cpu_s(gateway_pid)
-            through.append(_timed_post(client, gateway + "/v1/chat/completions", body))
-            cpu_s += process_cpu_s(gateway_pid) - before
+    """One request at a time, direct / gateway alternating (the summary `bench gateway` prints)."""
+    s = asyncio.run(measure_async(replica, gateway, gateway_pid, body, n))
+    direct, through = s.direct_total, s.via_total
     return {
-        "body_kb": len(body) / 1000, "requests": n,
+        "body_kb": len(body) / 1000, "requests": s.requests,
         "direct_p50_ms": _pct(direct, 0.5) * 1e3, "direct_p99_ms": _pct(direct, 0.99) * 1e3,
         "gateway_p50_ms": _pct(through, 0.5) * 1e3, "gateway_p99_ms": _pct(through, 0.99) * 1e3,
         "added_p50_ms": (_pct(through, 0.5) - _pct(direct, 0.5)) * 1e3,
         "added_p99_ms": (_pct(through, 0.99) - _pct(direct, 0.99)) * 1e3,
-        "gateway_cpu_ms_per_request": cpu_s / n * 1e3,
+        "gateway_cpu_ms_per_request": s.cpu_s / s.requests * 1e3,
     }
 
 

@@ -54,7 +54,7 @@ from loadtest.demo import (
     sigterm_as_exit,
 )
 from loadtest.driver import DriverConfig
-from loadtest.peers.overhead import run_overhead
+from loadtest.peers.overhead import add_overhead_arguments, run_overhead
 from loadtest.peers.run import (
     INSTALL_HINT,
     PEERS,
@@ -134,9 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--overhead", action="store_true", help="measure each target's added latency and CPU"
     )
-    v.add_argument("--small", type=int, default=300, help="small requests per side")
-    v.add_argument("--large", type=int, default=100, help="large requests per side")
-    v.add_argument("--kb", type=int, default=400, help="large request size (KB)")
+    add_overhead_arguments(v)
 
 
 def one_run(

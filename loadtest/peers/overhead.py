@@ -1,105 +1,301 @@
 """`kvgate bench peers --overhead`: the latency and CPU each router adds, side by side, one run.
 
-The method is `loadtest.bench_gateway.measure`, applied to every target in turn: one
+Method (``loadtest.bench_gateway.measure_async``, applied to every target in turn): one
 simulated replica (``kimi-k2.6-b200-tp8`` profile at ``--time-scale 1e6``, so compute is
-~0 and a 400 KB prompt fits its context), non-streaming requests with ``max_tokens = 1``
-over keep-alive connections, one at a time, alternating direct / through the router so
-drift hits both sides alike; the router's CPU (user + system from ``/proc/<pid>/stat``)
-is counted around its own requests only. Body sizes: a small chat request and an
-agent-shaped ``--kb`` KB one. kvgate runs with its probes slowed to once a minute (like
-``kvgate bench gateway``); the peers run with their default health checks.
+~0 and a 400 KB prompt fits its context), keep-alive connections, rounds of ``c``
+concurrent requests straight to the replica, then ``c`` through the router, alternating
+so drift hits both sides alike; the router's CPU (user + system from
+``/proc/<pid>/stat``) is counted around its own rounds only. Cases: a small chat body and
+``--kbs`` KB agent-shaped ones (default 100 and 400), non-streaming (``max_tokens = 1``,
+time to the end of the body) and streaming (``max_tokens = 8``: time to the first body
+byte and to the end), at each ``--concurrency`` (default 1 and 32).
 
-The machine is shared and noisy: compare the targets of one run with each other, not
-with another run's absolute numbers.
+Added latency at p50, p90, p99 and p99.9 = router percentile - direct percentile, with a
+paired percentile-bootstrap interval (``loadtest.bootstrap``: 95%, 1,000 resamples,
+seeded); every figure states its sample count, and one with fewer than 10 samples beyond
+it (p99.9 below 10,000 samples) is flagged "unsupported".
+
+``--max-rate``: the highest Poisson arrival rate (open loop) at which one router process
+keeps its added p99 on ``--max-rate-kb`` KB bodies within ``--max-rate-p99-ms``: a
+step-up search from ``--max-rate-start`` by x``--max-rate-step``, ``--max-rate-s``
+seconds (and at least ``--max-rate-n`` requests, 1,000: a supported p99) per side and step, direct first, stopping at the first step over the limit (or
+stepping down while the first rate is already over it).
+
+The machine is shared and noisy: compare the targets of one run with each other, not with
+another run's absolute numbers.  Standalone: ``python -m loadtest.peers.overhead``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench_gateway import PROFILE, large_body, measure, small_body
+from loadtest.bench_gateway import (
+    PROFILE,
+    Samples,
+    large_body,
+    measure_async,
+    open_loop,
+    small_body,
+    with_stream,
+)
+from loadtest.bench_simulator import process_cpu_s
+from loadtest.bootstrap import bootstrap_differences
 from loadtest.peers.targets import kvgate_policy, open_target, target_version
+from loadtest.percentile import percentile
 from loadtest.simulator.fleet import SimFleet
 
-SLOW_PROBES = (
-    "--set",
-    "registry.probe_interval_s=60",
-    "--set",
-    "registry.loads_poll_interval_s=60",
-)
+QS = (50.0, 90.0, 99.0, 99.9)
+STREAM_TOKENS = 8
+UNSUPPORTED = "* unsupported: fewer than 10 samples beyond the percentile (loadtest.percentile.supported)"
+SLOW_PROBES = ("--set", "registry.probe_interval_s=60", "--set", "registry.loads_poll_interval_s=60")
 
 
-def overhead_rows(
-    targets: Sequence[str], small: int, large: int, kb: int, log_dir: Path, console: Console
-) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    bodies = (("small", small_body(), small), (f"{kb}KB", large_body(kb), large))
-    with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir) as fleet:
-        replica = fleet.urls[0]
-        for target in targets:
-            extra = SLOW_PROBES if kvgate_policy(target) is not None else ()
-            try:
-                with open_target(target, [replica], log_dir, extra) as (url, pid):
-                    for name, body, n in bodies:
-                        console.print(f"overhead: {target}, {name} x {n}")
-                        rows.append(
-                            {
-                                "target": target,
-                                "version": target_version(target),
-                                "body": name,
-                                **measure(replica, url, pid, body, n),
-                            }
-                        )
-            except (RuntimeError, TimeoutError, OSError) as e:
-                console.print(f"[red]{target} failed: {e}[/]")
-                rows.append({"target": target, "version": target_version(target), "error": str(e)})
+@dataclasses.dataclass(frozen=True)
+class Options:
+    small: int = 2000
+    large: int = 2000
+    kbs: tuple[int, ...] = (100, 400)
+    concurrency: tuple[int, ...] = (1, 32)
+    resamples: int = 1000
+    confidence: float = 0.95
+    seed: int = 0
+    max_rate: bool = False
+    max_rate_kb: int = 400
+    max_rate_start: float = 20.0
+    max_rate_step: float = 1.5
+    max_rate_s: float = 20.0
+    max_rate_n: int = 1000  # samples per side and step at least: a supported p99
+    max_rate_steps: int = 12
+    max_rate_p99_ms: float = 10.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Options:
+        """From this module's flags, or `bench peers`' (``--small/--large/--kb`` only)."""
+        d = cls()
+        kbs = getattr(args, "kbs", None) or ",".join(str(k) for k in dict.fromkeys((100, getattr(args, "kb", 400))))
+        values = {f.name: getattr(args, f.name, getattr(d, f.name)) for f in dataclasses.fields(cls)}
+        values["kbs"] = _ints(kbs)
+        values["concurrency"] = _ints(str(getattr(args, "concurrency", "1,32")))
+        return cls(**values)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(",") if t.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    body: str
+    kb: float
+    stream: bool
+    concurrency: int
+    n: int
+
+
+def cases(opts: Options) -> list[tuple[Case, bytes]]:
+    sizes = [("small", small_body(), opts.small)] + [(f"{k}KB", large_body(k), opts.large) for k in opts.kbs]
+    out: list[tuple[Case, bytes]] = []
+    for c in opts.concurrency:
+        for name, body, n in sizes:
+            for stream in (False, True):
+                b = with_stream(body, stream, STREAM_TOKENS if stream else 1)
+                out.append((Case(name, len(b) / 1000, stream, c, n), b))
+    return out
+
+
+def case_rows(head: dict[str, Any], case: Case, s: Samples, opts: Options) -> list[dict[str, Any]]:
+    """One row per metric: end of body (always) and first body byte (streaming)."""
+    metrics = [("end", s.via_total, s.direct_total)]
+    if case.stream:
+        metrics.insert(0, ("first byte", s.via_ttfb, s.direct_ttfb))
+    rows = []
+    for metric, via, direct in metrics:
+        added = bootstrap_differences(via, direct, QS, opts.resamples, opts.confidence, opts.seed)
+        rows.append({**head, **dataclasses.asdict(case), "metric": metric, "n": s.requests,
+                     "direct_p50_ms": (percentile(direct, 50) or 0.0) * 1e3,
+                     "added_ms": {f"p{q:g}": e.scaled(1e3).as_dict() for q, e in zip(QS, added, strict=True)},
+                     "cpu_ms_per_request": s.cpu_s / s.requests * 1e3})
     return rows
 
 
+async def _rate_step(replica: str, url: str, pid: int, body: bytes, rate: float, seed: int,
+                     opts: Options) -> dict[str, Any]:
+    """One step: ``rate``/s straight to the replica, then through the router."""
+    n = max(int(rate * opts.max_rate_s), opts.max_rate_n)
+    try:
+        direct, direct_kept_up = await open_loop(replica, body, rate, n, seed)
+        cpu0 = process_cpu_s(pid)
+        via, via_kept_up = await open_loop(url, body, rate, n, seed)
+        cpu = process_cpu_s(pid) - cpu0
+    except (TimeoutError, RuntimeError, OSError, aiohttp.ClientError) as e:
+        return {"rate": rate, "n": n, "within_limit": False, "error": str(e)}
+    (p99,) = bootstrap_differences(via, direct, (99.0,), opts.resamples, opts.confidence, opts.seed)
+    kept_up = min(direct_kept_up, via_kept_up)
+    return {"rate": rate, "n": n, "client_kept_up": kept_up, "added_p99_ms": p99.scaled(1e3).as_dict(),
+            "cpu_ms_per_request": cpu / n * 1e3,
+            "within_limit": p99.value * 1e3 <= opts.max_rate_p99_ms and kept_up >= 0.9}
+
+
+async def max_rate(replica: str, url: str, pid: int, opts: Options, console: Console) -> dict[str, Any]:
+    """Step-up search for the highest open-loop rate within the added-p99 limit (stepping
+    down instead while even the first rate is over it)."""
+    body = large_body(opts.max_rate_kb)
+    steps: list[dict[str, Any]] = []
+    rate, best, down = opts.max_rate_start, 0.0, False
+    for i in range(opts.max_rate_steps):
+        step = await _rate_step(replica, url, pid, body, rate, opts.seed + i, opts)
+        steps.append(step)
+        p99 = step.get("added_p99_ms", {}).get("value", float("nan"))
+        console.print(f"  max-rate {rate:.1f}/s: added p99 {p99:+.2f} ms (n={step['n']}) "
+                      f"{'ok' if step['within_limit'] else step.get('error', 'over the limit')}")
+        if step["within_limit"]:
+            best = rate
+            if down:
+                break
+            rate *= opts.max_rate_step
+        elif best > 0 or "error" in step or rate / opts.max_rate_step < 1.0:
+            break
+        else:
+            down, rate = True, rate / opts.max_rate_step
+    return {"kb": opts.max_rate_kb, "p99_limit_ms": opts.max_rate_p99_ms, "sustained_rate": best,
+            "steps": steps}
+
+
+async def target_rows(
+    target: str, replica: str, opts: Options, log_dir: Path, console: Console
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    head = {"target": target, "version": target_version(target)}
+    extra = SLOW_PROBES if kvgate_policy(target) is not None else ()
+    rows: list[dict[str, Any]] = []
+    rate: dict[str, Any] | None = None
+    try:
+        with open_target(target, [replica], log_dir, extra) as (url, pid):
+            for case, body in cases(opts):
+                console.print(f"overhead: {target}, {case.body} stream={case.stream} c={case.concurrency} x {case.n}")
+                s = await measure_async(replica, url, pid, body, case.n, case.concurrency)
+                rows.extend(case_rows(head, case, s, opts))
+            if opts.max_rate:
+                rate = {**head, **await max_rate(replica, url, pid, opts, console)}
+    except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as e:
+        console.print(f"[red]{target} failed: {e}[/]")
+        rows.append({**head, "error": str(e)})
+    return rows, rate
+
+
+def overhead_rows(
+    targets: Sequence[str], opts: Options, log_dir: Path, console: Console
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    rows: list[dict[str, Any]] = []
+    rates: list[dict[str, Any]] = []
+    with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir) as fleet:
+        for target in targets:
+            r, rate = asyncio.run(target_rows(target, fleet.urls[0], opts, log_dir, console))
+            rows.extend(r)
+            rates.extend([rate] if rate is not None else [])
+    return rows, rates
+
+
+def _cell(e: dict[str, Any]) -> str:
+    """``+1.23 [+1.10,+1.40]``; a leading ``*`` marks it unsupported (too few samples beyond it)."""
+    text = f"{e['value']:+.2f} [{e['lo']:+.2f},{e['hi']:+.2f}]"
+    return text if e["supported"] else f"[dim]*{text}[/]"
+
+
 def overhead_table(rows: Sequence[dict[str, Any]]) -> Table:
-    table = Table(
-        title="added latency and CPU per request (one replica, compute ~0)", title_justify="left"
-    )
-    cols = ("target", "body", "n", "direct p50", "via p50", "added p50", "added p99", "CPU/request")
-    keys = (
-        "direct_p50_ms",
-        "gateway_p50_ms",
-        "added_p50_ms",
-        "added_p99_ms",
-        "gateway_cpu_ms_per_request",
-    )
+    table = Table(title="added latency (ms, router - direct, [95% bootstrap interval]) and router CPU "
+                  "per request; one replica, compute ~0", title_justify="left",
+                  caption=UNSUPPORTED, caption_justify="left")
+    cols = ("target", "body", "stream", "c", "metric", "n", "direct p50", *(f"added p{q:g}" for q in QS),
+            "CPU/request")
     for col in cols:
-        table.add_column(col, justify="left" if col in ("target", "body") else "right")
+        table.add_column(col, justify="left" if col in ("target", "body", "metric") else "right",
+                         overflow="fold")
     for row in rows:
         if "error" in row:
-            table.add_row(str(row["target"]), "-", "-", f"failed: {row['error']}"[:60])
+            table.add_row(str(row["version"]), f"failed: {row['error']}"[:60])
             continue
-        table.add_row(
-            str(row["target"]),
-            str(row["body"]),
-            str(row["requests"]),
-            *(f"{row[k]:.3f} ms" for k in keys),
-        )
+        added = row["added_ms"]
+        table.add_row(str(row["version"]), str(row["body"]), "yes" if row["stream"] else "no",
+                      str(row["concurrency"]), str(row["metric"]), str(row["n"]),
+                      f"{row['direct_p50_ms']:.2f}", *(_cell(added[f"p{q:g}"]) for q in QS),
+                      f"{row['cpu_ms_per_request']:.2f} ms")
+    return table
+
+
+def max_rate_table(rates: Sequence[dict[str, Any]]) -> Table:
+    table = Table(title="highest open-loop rate one router process sustains (added p99 within the "
+                  "limit)", title_justify="left", caption=UNSUPPORTED, caption_justify="left")
+    for col in ("target", "body", "limit", "sustained", "last step", "added p99 there", "n", "CPU/request"):
+        table.add_column(col, justify="left" if col == "target" else "right")
+    for r in rates:
+        last = r["steps"][-1] if r["steps"] else {}
+        p99 = last.get("added_p99_ms")
+        table.add_row(str(r["version"]), f"{r['kb']} KB", f"{r['p99_limit_ms']:g} ms",
+                      f"{r['sustained_rate']:.1f}/s", f"{last.get('rate', 0.0):.1f}/s",
+                      _cell(p99) if p99 else str(last.get("error", "-"))[:40], str(last.get("n", "-")),
+                      f"{last['cpu_ms_per_request']:.2f} ms" if "cpu_ms_per_request" in last else "-")
     return table
 
 
 def run_overhead(args: argparse.Namespace, targets: Sequence[str], console: Console) -> int:
+    opts = Options.from_args(args)
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-bench-overhead-"))
-    rows = overhead_rows(targets, args.small, args.large, args.kb, log_dir, console)
+    rows, rates = overhead_rows(targets, opts, log_dir, console)
     console.print(overhead_table(rows))
-    console.print(
-        "anchor (sglang-router 0.3.2 on this machine, earlier): +0.2 ms p50 small; "
-        "+1.8 ms p50 and 1.8 ms CPU per 400 KB"
-    )
+    if rates:
+        console.print(max_rate_table(rates))
     if args.json:
-        args.json.write_bytes(orjson.dumps({"overhead": rows}, option=orjson.OPT_INDENT_2))
+        doc = {"options": dataclasses.asdict(opts), "overhead": rows, "max_rate": rates}
+        args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
         console.print(f"results: {args.json}")
     return 0 if all("error" not in r for r in rows) else 1
+
+
+def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    d = Options()
+    parser.add_argument("--small", type=int, default=d.small, help="small requests per side and case")
+    parser.add_argument("--large", type=int, default=d.large, help="large requests per side and case")
+    parser.add_argument("--kbs", default="100,400", help="large body sizes (KB), comma-separated")
+    parser.add_argument("--concurrency", default="1,32", help="requests in flight per round, comma-separated")
+    parser.add_argument("--resamples", type=int, default=d.resamples, help="bootstrap resamples")
+    parser.add_argument("--confidence", type=float, default=d.confidence, help="bootstrap interval level")
+    parser.add_argument("--max-rate", action="store_true", help="also search the highest sustained rate")
+    parser.add_argument("--max-rate-kb", type=int, default=d.max_rate_kb)
+    parser.add_argument("--max-rate-start", type=float, default=d.max_rate_start, help="first rate (req/s)")
+    parser.add_argument("--max-rate-step", type=float, default=d.max_rate_step, help="rate factor per step")
+    parser.add_argument("--max-rate-s", type=float, default=d.max_rate_s, help="seconds per side and step")
+    parser.add_argument("--max-rate-n", type=int, default=d.max_rate_n, help="samples per side and step, at least")
+    parser.add_argument("--max-rate-steps", type=int, default=d.max_rate_steps)
+    parser.add_argument("--max-rate-p99-ms", type=float, default=d.max_rate_p99_ms)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from loadtest.peers.targets import check_peers, parse_targets
+
+    parser = argparse.ArgumentParser(prog="python -m loadtest.peers.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", default="kvgate,sglang-router,smg")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT")
+    add_overhead_arguments(parser)
+    args = parser.parse_args(argv)
+    console = Console(width=max(Console().width, 200))  # the table is wide
+    targets = parse_targets(args.targets)
+    if not check_peers(targets, False, console):
+        return 2
+    return run_overhead(args, targets, console)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

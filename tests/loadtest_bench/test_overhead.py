@@ -1,0 +1,83 @@
+"""`kvgate bench peers --overhead` (loadtest.peers.overhead): cases, rows, table, JSON, and
+one tiny end-to-end run against a simulated replica and kvgate only."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import orjson
+from rich.console import Console
+
+from loadtest.bench_gateway import Samples
+from loadtest.peers.overhead import (
+    QS,
+    Options,
+    add_overhead_arguments,
+    case_rows,
+    cases,
+    main,
+    max_rate_table,
+    overhead_table,
+)
+
+
+def _samples(n: int) -> Samples:
+    direct = [0.001 + 0.00001 * (i % 7) for i in range(n)]
+    via = [d + 0.0005 for d in direct]
+    return Samples(direct, direct, via, [v + 0.0001 for v in via], cpu_s=0.002 * n)
+
+
+def test_options_from_bench_peers_flags_and_own_flags() -> None:
+    peers = Options.from_args(argparse.Namespace(small=300, large=100, kb=400))
+    assert (peers.small, peers.large, peers.kbs, peers.concurrency) == (300, 100, (100, 400), (1, 32))
+    parser = argparse.ArgumentParser()
+    add_overhead_arguments(parser)
+    own = Options.from_args(parser.parse_args(["--concurrency", "1,32", "--max-rate"]))
+    assert own.small >= 2000 and own.large >= 2000 and own.max_rate and own.resamples == 1000
+    found = [(c.body, c.stream, c.concurrency) for c, _ in cases(own)]
+    assert len(found) == 12 and ("400KB", True, 32) in found and ("small", False, 1) in found
+    assert all(c.kb > 390 for c, _ in cases(own) if c.body == "400KB")
+
+
+def test_rows_state_counts_and_flag_p999() -> None:
+    opts = Options(resamples=50)
+    case = next(c for c, _ in cases(opts) if c.stream)
+    rows = case_rows({"target": "kvgate", "version": "kvgate cache-aware"}, case, _samples(2000), opts)
+    assert [r["metric"] for r in rows] == ["first byte", "end"]
+    for r in rows:
+        assert r["n"] == 2000 and r["cpu_ms_per_request"] == 2.0
+        assert set(r["added_ms"]) == {f"p{q:g}" for q in QS}
+        p50, p999 = r["added_ms"]["p50"], r["added_ms"]["p99.9"]
+        assert p50["n"] == 2000 and p50["supported"] and not p999["supported"]
+        assert p50["lo"] <= p50["value"] <= p50["hi"]
+    assert abs(rows[0]["added_ms"]["p50"]["value"] - 0.5) < 1e-9
+    assert abs(rows[1]["added_ms"]["p50"]["value"] - 0.6) < 1e-9
+    console = Console(record=True, width=250)
+    console.print(overhead_table([*rows, {"target": "smg", "version": "smg 1.13.0", "error": "boom"}]))
+    text = console.export_text()
+    assert "+0.50 [+0.50,+0.50]" in text and "failed: boom" in text and "* unsupported" in text
+    assert "*+0.50 [+0.50,+0.50]" in text  # p99.9 of 2,000 samples, flagged
+    rate = {"target": "kvgate", "version": "kvgate cache-aware", "kb": 400, "p99_limit_ms": 10.0,
+            "sustained_rate": 30.0, "steps": [{"rate": 45.0, "n": 900, "error": "HTTP 503"}]}
+    console.print(max_rate_table([rate]))
+    text = console.export_text()
+    assert "30.0/s" in text and "HTTP 503" in text
+    orjson.dumps(rows)  # JSON-ready
+
+
+def test_tiny_run_kvgate(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    code = main(["--targets", "kvgate", "--small", "12", "--large", "4", "--kbs", "100",
+                 "--concurrency", "1,4", "--resamples", "50", "--max-rate", "--max-rate-start", "20",
+                 "--max-rate-s", "0.5", "--max-rate-n", "10", "--max-rate-steps", "2", "--json", str(out)])
+    doc = orjson.loads(out.read_bytes())
+    rows = doc["overhead"]
+    assert code == 0 and all("error" not in r for r in rows)
+    seen = {(r["body"], r["stream"], r["concurrency"], r["metric"]) for r in rows}
+    assert len(rows) == 12 and ("100KB", True, 4, "first byte") in seen
+    for r in rows:
+        assert r["n"] >= (12 if r["body"] == "small" else 4) and r["cpu_ms_per_request"] >= 0
+        assert not r["added_ms"]["p99"]["supported"]
+    (rate,) = doc["max_rate"]
+    assert rate["target"] == "kvgate" and 1 <= len(rate["steps"]) <= 2 and "n" in rate["steps"][0]
+    assert doc["options"]["concurrency"] == [1, 4]
