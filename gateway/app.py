@@ -129,7 +129,6 @@ class Gateway:
         # one clock for routing: wall time, so session times stored in a shared Redis
         # compare across hosts and with the registry's added_at_s (also wall time)
         self.router = Router(policy, index, registry.views, self.metrics, clock=time.time,
-                             resident_window_s=policy.resident_window_s,
                              rng=policy.new_rng(),
                              local_sessions=min(settings.index.max_sessions, LOCAL_SESSIONS))
         self.scaling = ScaleLoop(settings.scale, registry, registry.views, index, policy.resident_window_s,

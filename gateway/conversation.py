@@ -281,14 +281,3 @@ def render_responses(body: Mapping[str, Any]) -> str:
         raise ShapeError("'input' must be a string or an array")
     _responses_items(items, out)
     return "".join(out)
-
-
-def routing_text(rendered: str) -> str:
-    """SGLang router's routing text from a rendering: the turns' text joined by spaces."""
-    pieces: list[str] = []
-    for turn in rendered.split("\x01")[1:]:
-        _, _, body = turn.partition("\x02")
-        text = body.rstrip("\x03").split("\x04", 1)[0]
-        if text and not body.startswith("\x06"):
-            pieces.append(text)
-    return " ".join(pieces)

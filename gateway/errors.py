@@ -16,6 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 
+def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error shape, for the gateway's JSON errors and its SSE error events."""
+    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+
+
 class GatewayError(Exception):
     status: int = 500
     type: str = "internal_error"
@@ -29,7 +34,7 @@ class GatewayError(Exception):
             self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+        return error_body(self.message, self.type, self.code, self.param)
 
 
 class InvalidRequest(GatewayError):

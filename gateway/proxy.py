@@ -60,11 +60,8 @@ from gateway.relay import (
     UsageSniffer,
     downstream_headers,
     error_response,
-    json_response,
     route_headers,
     sse_error,
-    upstream_headers,
-    usage_of,
     usage_of_body,
 )
 from gateway.retry import PoisonBodies, RetryBudget
@@ -82,8 +79,7 @@ from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext, 
 from prefix_index.base import ReplicaId
 from replicas.registry import LoadLease, Registry
 
-__all__ = ["CLIENT_CLOSED", "Proxy", "RelayResponse", "UsageSniffer", "error_response",
-           "json_response", "route_headers", "sse_error", "upstream_headers", "usage_of"]
+__all__ = ["CLIENT_CLOSED", "Proxy"]
 
 log = logging.getLogger("kvgate.proxy")
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", used in metrics/outcomes only

@@ -23,7 +23,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import GatewayError, UpstreamError, error_body
 from gateway.upstream_config import UpstreamConfig
 
 HOP_BY_HOP = frozenset({
@@ -176,9 +176,9 @@ class UsageSniffer:
             return None, None, None
 
 
-def sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": UpstreamError.type, "code": 502, "param": None}}
-    return b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n"
+def sse_error(message: str, type_: str = UpstreamError.type, code: str | int = 502) -> bytes:
+    """The event that ends a stream the gateway cannot finish (``[DONE]`` after it)."""
+    return b"data: " + orjson.dumps(error_body(message, type_, code)) + b"\n\ndata: [DONE]\n\n"
 
 
 class RelayResponse(StreamingResponse):

@@ -71,7 +71,6 @@ class Router:
         views: Callable[[], Sequence[ReplicaView]],
         metrics: GatewayMetrics,
         *,
-        resident_window_s: float,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
         local_sessions: int = LOCAL_SESSIONS,
@@ -80,7 +79,7 @@ class Router:
         self.index = index
         self._views = views
         self.metrics = metrics
-        self.core = RoutingCore(policy, rng, resident_window_s=resident_window_s)
+        self.core = RoutingCore(policy, rng)  # the resident window is the policy's
         self.clock = clock
         self.sessions = LocalSessions(local_sessions)
 

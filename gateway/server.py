@@ -43,6 +43,8 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import Server, ServerState
 
+from gateway.errors import error_body
+from gateway.relay import sse_error
 from gateway.settings import ServerConfig
 
 if TYPE_CHECKING:
@@ -85,7 +87,7 @@ PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})  # never refused by t
 
 
 def error_bytes(message: str, type_: str, code: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "code": code, "param": None}})
+    return orjson.dumps(error_body(message, type_, code))
 
 
 def raw_response(status: int, body: bytes, *, retry_after: bool = False) -> bytes:
@@ -442,6 +444,4 @@ class GatewayServer(Server):
 
 def shutdown_event(message: str) -> bytes:
     """The SSE event that ends a stream cut at shutdown, then ``[DONE]``."""
-    body = {"error": {"message": message, "type": "server_shutdown", "code": "server_shutdown", "param": None}}
-    return b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n"
-
+    return sse_error(message, "server_shutdown", "server_shutdown")

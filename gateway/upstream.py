@@ -24,10 +24,7 @@ whatever the client library:
      +-- Disconnected          the connection broke, or the answer was malformed
      +-- UpstreamTimedOut      a transport-level timeout (raised by httpx stubs)
 
-Retry bookkeeping lives here too, beside the client it guards: ``RetryBudget`` (Envoy's
-retry budget: retries in flight <= max(``retry_budget_min``, ``retry_budget_ratio`` x
-requests in flight)) and ``PoisonBodies`` (bodies two replicas answered 5xx, by xxh3,
-a bounded LRU with a TTL: their copies are not retried).
+Retry bookkeeping (``RetryBudget``, ``PoisonBodies``) is ``gateway.retry``.
 """
 from __future__ import annotations
 

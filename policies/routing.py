@@ -36,12 +36,10 @@ RESIDENT_CACHE_S = 1.0
 
 
 class RoutingCore:
-    def __init__(self, policy: Policy, rng: random.Random, *, resident_window_s: float | None = None,
-                 resident_cache_s: float = RESIDENT_CACHE_S) -> None:
-        """``resident_window_s``: sessions seen within it count as resident (default: the policy's)."""
+    def __init__(self, policy: Policy, rng: random.Random, *, resident_cache_s: float = RESIDENT_CACHE_S) -> None:
         self.policy = policy
         self.rng = rng
-        self.resident_window_s = policy.resident_window_s if resident_window_s is None else resident_window_s
+        self.resident_window_s = policy.resident_window_s  # sessions seen within it are resident
         self.resident_cache_s = resident_cache_s
         self._resident: tuple[float, Mapping[ReplicaId, int]] | None = None
 

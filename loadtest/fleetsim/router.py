@@ -69,14 +69,13 @@ class SimRouter:
     """Routing for one simulated fleet (see the module docstring)."""
 
     def __init__(self, policy: Policy, index: PrefixIndex, ids: list[ReplicaId], spec: Capacity,
-                 snapshot: Any, block_tokens: int, seed: int, loads_poll_interval_s: float = 1.0,
-                 resident_window_s: float = 600.0) -> None:
+                 snapshot: Any, block_tokens: int, seed: int, loads_poll_interval_s: float = 1.0) -> None:
         self.policy = policy
         self.index = index
         self.ids = ids
         self.spec = spec
         self._snapshot = snapshot  # engine index -> EngineStats at the current time
-        self.core = RoutingCore(policy, random.Random(seed), resident_window_s=resident_window_s)
+        self.core = RoutingCore(policy, random.Random(seed))  # the resident window is the policy's
         self.poll_s = loads_poll_interval_s
         self.counters = [LoadCounters() for _ in ids]
         self.reported = [ReportedLoad() for _ in ids]

@@ -111,8 +111,7 @@ class FleetRun:
         spec = Capacity(prof.device_tokens, prof.host_tokens, prof.page_size, prof.max_running_requests,
                         prof.served_model_name)
         self.router = SimRouter(self.policy, self.index, [ReplicaId(f"sim-{i}") for i in range(cfg.replicas)],
-                                spec, self.fleet.snapshot, block, cfg.seed, cfg.loads_poll_interval_s,
-                                getattr(self.policy, "resident_window_s", 600.0))
+                                spec, self.fleet.snapshot, block, cfg.seed, cfg.loads_poll_interval_s)
         h = HashingConfig()
         self.max_tokens_hashed = int(h.max_blocks * h.block_chars / h.chars_per_token)
         self.oracle = Oracle()

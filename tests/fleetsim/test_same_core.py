@@ -57,15 +57,13 @@ async def test_gateway_router_and_fleetsim_decide_alike() -> None:
     seed = 7
     sim_policy = make_policy("cache-aware", {}, seed)
     sim_index = make_index(IndexConfig())
-    sim = SimRouter(sim_policy, sim_index, list(IDS), SPEC, stats, block_tokens=64, seed=seed,
-                    resident_window_s=sim_policy.resident_window_s)
+    sim = SimRouter(sim_policy, sim_index, list(IDS), SPEC, stats, block_tokens=64, seed=seed)
 
     gw_policy = make_policy("cache-aware", {}, seed)
     gw_index = make_index(IndexConfig())
     clock = [0.0]
     current: dict[str, Any] = {}
-    router = Router(gw_policy, gw_index, lambda: current["views"], GatewayMetrics(),
-                    resident_window_s=gw_policy.resident_window_s, rng=random.Random(seed),
+    router = Router(gw_policy, gw_index, lambda: current["views"], GatewayMetrics(), rng=random.Random(seed),
                     clock=lambda: clock[0])
     for rid in IDS:
         gw_policy.on_replica_added(rid)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.conversation import render_chat, render_messages, render_responses, routing_text
+from gateway.conversation import render_chat, render_messages, render_responses
 
 SYSTEM = "You are a coding agent. Follow the repository's conventions."
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
@@ -127,9 +127,3 @@ def test_bad_shapes_raise_value_error() -> None:
     with pytest.raises(ValueError):
         render_responses({"input": 3})
     assert render_chat([{"role": "user"}], tools="x").startswith("\x01tools\x02\x06<tool:")
-
-
-def test_routing_text_skips_tools_and_calls() -> None:
-    chat = as_chat(turns(1))
-    text = routing_text(render_chat(chat["messages"], chat["tools"]))
-    assert SYSTEM in text and "read_file" not in text and "Reading file 0." in text

@@ -10,8 +10,15 @@ import orjson
 import pytest
 from starlette.types import Message
 
-from gateway.proxy import RelayResponse, UsageSniffer, sse_error, upstream_headers, usage_of
-from gateway.relay import HeaderPolicy, downstream_headers
+from gateway.relay import (
+    HeaderPolicy,
+    RelayResponse,
+    UsageSniffer,
+    downstream_headers,
+    sse_error,
+    upstream_headers,
+    usage_of,
+)
 from gateway.retry import PoisonBodies, RetryBudget
 from tests.gateway.test_app_unit import CHAT, FakeFleet, gateway, ok_completion, reply, settings_for
 

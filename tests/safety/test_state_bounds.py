@@ -85,7 +85,7 @@ async def test_router_keeps_affinity_from_its_own_table_when_the_index_fails() -
     views = [view(i) for i in range(3)]
     metrics = GatewayMetrics()
     router = Router(make_policy("cache-aware", None, 1), index, lambda: views, metrics,
-                    resident_window_s=600.0, rng=random.Random(1), clock=lambda: 1000.0)
+                    rng=random.Random(1), clock=lambda: 1000.0)
     request = ctx(4000, session="s-1", prefix="conv")
     decision = Decision(replica=rid(2), reason="test", policy="cache-aware")
     await router.routed(request, decision)
