@@ -13,7 +13,7 @@ never becomes a fallback).
 A failing index (Redis down or slow) degrades routing, never the request: the failed
 read is replaced by an empty answer (no prefix match), the failed write is dropped, and
 ``kvgate_index_degraded_total`` counts it. A failed session read is answered from
-``LocalSessions``, the router's own bounded LRU of where it sent each session last
+``Router.sessions``, the router's own bounded LRU of where it sent each session last
 (updated on every routed and completed request), so an index that raises keeps session
 affinity. (The Redis backend does not raise: it answers from its local copy, which also
 holds the other gateways' sessions, ``prefix_index/redis_sessions.py``.)
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -32,6 +32,7 @@ from gateway.metrics import GatewayMetrics
 from policies.base import Decision, Outcome, Policy, RequestContext, RoutingInputs
 from policies.routing import RoutingCore
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
+from prefix_index.session_table import SessionTable
 from replicas.model import ReplicaState, ReplicaView
 
 log = logging.getLogger("kvgate.router")
@@ -39,28 +40,9 @@ T = TypeVar("T")
 
 LOCAL_SESSIONS = 100_000
 """Sessions the router remembers itself (~370 B each: ~37 MB at most): every session
-active within the last hour of a gateway serving ~30 new sessions a second."""
-
-
-class LocalSessions:
-    """Session key -> the last routing this process made for it; least recently used
-    evicted beyond ``max_sessions``. No expiry: the fallback for an index that fails."""
-
-    def __init__(self, max_sessions: int = LOCAL_SESSIONS) -> None:
-        self._max = max(max_sessions, 1)
-        self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
-
-    def get(self, key: str | None) -> SessionEntry | None:
-        return None if key is None else self._entries.get(key)
-
-    def put(self, key: str, entry: SessionEntry) -> None:
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        if len(self._entries) > self._max:
-            self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
+active within the last hour of a gateway serving ~30 new sessions a second. The table is
+the embedded index's own (``prefix_index.session_table.SessionTable``), without expiry:
+least recently set evicted beyond the bound."""
 
 
 class Router:
@@ -81,7 +63,7 @@ class Router:
         self.metrics = metrics
         self.core = RoutingCore(policy, rng)  # the resident window is the policy's
         self.clock = clock
-        self.sessions = LocalSessions(local_sessions)
+        self.sessions = SessionTable(math.inf, clock, max_sessions=local_sessions)
 
     async def _guarded(self, what: str, call: Awaitable[T], fallback: T) -> T:
         try:
@@ -146,15 +128,16 @@ class Router:
         now_s = self.clock()
         if ctx.session.session is not None:
             tokens = ctx.est_prompt_tokens + (ctx.max_tokens or 0)
-            self.sessions.put(ctx.session.session, SessionEntry(decision.replica, tokens, now_s))
+            self.sessions.set(ctx.session.session, SessionEntry(decision.replica, tokens, now_s))
         await self._hook("on_routed", self.policy.on_routed(ctx, decision, self.index, now_s))
 
     async def completed(self, ctx: RequestContext, decision: Decision, outcome: Outcome) -> None:
-        key, mine = ctx.session.session, self.sessions.get(ctx.session.session)
+        key = ctx.session.session
+        mine = self.sessions.get(key) if key is not None else None
         if key is not None and outcome.ok and outcome.prompt_tokens is not None and (
                 mine is None or mine.replica == decision.replica):  # not moved by a later turn
             tokens = outcome.prompt_tokens + (outcome.completion_tokens or 0)
-            self.sessions.put(key, SessionEntry(decision.replica, tokens, self.clock()))
+            self.sessions.set(key, SessionEntry(decision.replica, tokens, self.clock()))
         await self._hook("on_completed", self.policy.on_completed(ctx, decision, outcome, self.index, self.clock()))
 
 

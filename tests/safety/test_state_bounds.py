@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.metrics import GatewayMetrics
-from gateway.router import LocalSessions, Router
+from gateway.router import Router
 from loadtest.simulator.fleet import SimFleet
 from policies.base import Decision, Outcome
 from policies.registry import make_policy
@@ -61,11 +61,12 @@ async def test_configured_bound_reaches_the_embedded_index_and_its_stats() -> No
 
 
 def test_local_sessions_are_bounded_lru() -> None:
-    local = LocalSessions(max_sessions=3)
+    local = Router(make_policy("cache-aware", None, 1), MemoryPrefixIndex(), list, GatewayMetrics(),
+                   rng=random.Random(1), clock=lambda: 0.0, local_sessions=3).sessions
     for key in "abc":
-        local.put(key, SessionEntry(rid(0), 1, 0.0))
-    local.put("a", SessionEntry(rid(1), 2, 1.0))
-    local.put("d", SessionEntry(rid(0), 1, 2.0))
+        local.set(key, SessionEntry(rid(0), 1, 0.0))
+    local.set("a", SessionEntry(rid(1), 2, 1.0))
+    local.set("d", SessionEntry(rid(0), 1, 2.0))
     assert len(local) == 3 and local.get("b") is None and local.get("a") == SessionEntry(rid(1), 2, 1.0)
 
 
