@@ -341,14 +341,10 @@ class Proxy:
         status = attempt.response.status_code
         parts = [first]
         try:
-            while True:
-                async with asyncio.timeout(self.cfg.read_timeout_s):
-                    chunk = await anext(chunks, None)
-                if chunk is None:
-                    break
+            while (chunk := await _next_chunk(chunks, self.cfg.read_timeout_s)) is not None:
                 parts.append(chunk)
         except (TimeoutError, UpstreamFailure) as exc:
-            what = "stalled" if isinstance(exc, (TimeoutError, UpstreamTimedOut)) else f"broke ({exc})"
+            what = "stalled" if _stalled(exc) else f"broke ({exc})"
             return await self._broken_body(attempt, f"replica {attempt.decision.replica} {what} mid-response")
         body = b"".join(parts) if len(parts) > 1 else first
         usage: Usage = (None, None, None)
@@ -377,17 +373,12 @@ class Proxy:
         yield first
         sniffer.feed(first)
         try:
-            while True:
-                async with asyncio.timeout(stall_s):
-                    chunk = await anext(chunks, None)
-                if chunk is None:
-                    break
+            while (chunk := await _next_chunk(chunks, stall_s)) is not None:
                 yield chunk
                 sniffer.feed(chunk)
                 last = chunk
         except (TimeoutError, UpstreamFailure) as exc:
-            what = f"stalled for {stall_s:g} s" if isinstance(exc, (TimeoutError, UpstreamTimedOut)) \
-                else f"failed mid-stream ({exc})"
+            what = f"stalled for {stall_s:g} s" if _stalled(exc) else f"failed mid-stream ({exc})"
             attempt.stream_error = f"replica {attempt.decision.replica} {what}"
             yield (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error(attempt.stream_error)
             return
@@ -438,3 +429,14 @@ class Proxy:
             itl = (attempt.last_byte_s - attempt.first_byte_s) / (outcome.completion_tokens - 1)
         metrics.timing(outcome.ttft_s, itl)
         await self.router.completed(attempt.ctx, attempt.decision, outcome)
+
+
+async def _next_chunk(chunks: AsyncIterator[bytes], limit_s: float) -> bytes | None:
+    """The next body chunk within ``limit_s`` (TimeoutError otherwise); None at the end."""
+    async with asyncio.timeout(limit_s):
+        return await anext(chunks, None)
+
+
+def _stalled(exc: BaseException) -> bool:
+    """A body that went silent (as opposed to one that broke)."""
+    return isinstance(exc, (TimeoutError, UpstreamTimedOut))
