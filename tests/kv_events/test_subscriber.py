@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,15 +19,9 @@ from replicas.kv_events import (
     publishers,
 )
 from replicas.kv_subscriber import KvEventSubscriber
+from tests.support.procs import free_port
 
 TOPIC = b"kv"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Sink:
