@@ -35,7 +35,9 @@ first body byte, so whatever fails before it can be retried invisibly. Every out
 request; "success" resets its streak. Retries are bounded per request (``max_retries``)
 and fleet-wide (``RetryBudget``: retries in flight <= max(``retry_budget_min``,
 ``retry_budget_ratio`` x requests in flight)); beyond the budget the first error goes
-back to the client. Streams are relayed chunk by chunk as they arrive (no decoding, no
+back to the client. A refused connection spends no budget: nothing was sent, so its retry
+adds no work anywhere (the budget bounds the extra work retries make), and a replica
+that dies under load must not fail the requests that were about to reach it. Streams are relayed chunk by chunk as they arrive (no decoding, no
 re-chunking); ``usage`` is sniffed from SSE lines and parsed once at the end
 (``gateway.relay``). The load lease is released and ``policy.on_completed`` called when
 the response ends, fails, or the client leaves (``RelayResponse`` runs the cleanup in a
@@ -220,25 +222,28 @@ class Proxy:
             self.registry.report_failure(replica, failure.kind)
         if not failure.retryable or tries.retries >= self.cfg.max_retries:
             return None
-        decision = self._retry_decision(ctx, inputs, tries)
+        decision = self._retry_decision(ctx, inputs, tries, budgeted=failure.kind != "connect")
         if decision is not None and failure.kind == "status_5xx":
             tries.judge = replica
         return decision
 
-    def _retry_decision(self, ctx: RequestContext, inputs: RoutingInputs, tries: Tries) -> Decision | None:
-        """The policy's next choice over routable replicas not tried yet, within the budget."""
+    def _retry_decision(self, ctx: RequestContext, inputs: RoutingInputs, tries: Tries,
+                        budgeted: bool) -> Decision | None:
+        """The policy's next choice over routable replicas not tried yet, within the budget
+        when ``budgeted`` (a refused connection's retry is not)."""
         exclude = tries.tried | {v.id for v in self.registry.views() if not v.routable}
         if all(v.id in exclude for v in inputs.replicas):
             return None
-        if not self.budget.try_acquire():
+        if budgeted and not self.budget.try_acquire():
             self.metrics.retry_budget_spent()
             return None
         try:
             decision = self.router.decide(ctx, inputs, frozenset(exclude))
         except NoRoutableReplica:
-            self.budget.release()
+            if budgeted:
+                self.budget.release()
             return None
-        tries.holding = True
+        tries.holding = budgeted
         return decision
 
     def _judged(self, tries: Tries, status: int) -> None:

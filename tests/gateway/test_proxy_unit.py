@@ -199,14 +199,28 @@ def test_retry_budget_and_poison_bodies() -> None:
 
 
 async def test_spent_retry_budget_returns_the_first_error() -> None:
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
-
-    fleet = FakeFleet({A3: refuse, B3: refuse, C3: refuse})
+    fleet = FakeFleet({A3: _status(503), B3: _status(503), C3: _status(503)})
     s = settings_for([A3, B3, C3], upstream={"retry_budget_min": 0, "retry_budget_ratio": 0.0})
     async with gateway(fleet, s) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
         metrics = (await client.get("/metrics")).text
-    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+    assert r.status_code == 503  # the replica's own answer, relayed
     assert len(fleet.seen) == 1  # one attempt, no retry
     assert "kvgate_retry_budget_exhausted_total 1.0" in metrics
+
+
+async def test_refused_connection_is_retried_outside_the_budget() -> None:
+    """Nothing was sent, so the retry adds no work: even a spent budget does not stop it
+    (a replica that dies under load must not fail the requests about to reach it)."""
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    fleet = FakeFleet({A3: refuse, B3: refuse, C3: ok_completion})
+    s = settings_for([A3, B3, C3], upstream={"retry_budget_min": 0, "retry_budget_ratio": 0.0})
+    async with gateway(fleet, s) as client:
+        rs = [await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
+              for _ in range(3)]
+        metrics = (await client.get("/metrics")).text
+    assert [r.status_code for r in rs] == [200, 200, 200]
+    assert {r.headers["x-kvgate-replica"] for r in rs} == {C3}
+    assert "kvgate_retry_budget_exhausted_total 0.0" in metrics

@@ -155,7 +155,11 @@ def test_real_server_sigkilled_mid_load(spare_server: SGLangServer, real_urls: l
     killed server leaves routing while server 0 keeps serving."""
     spare_server.wait_healthy()
     survivor = real_urls[0].rstrip("/")
-    gw = start_gateway([survivor, spare_server.url], tmp_path / "gateway.log")
+    # A refused connection's retry is outside the retry budget; a stream cut before its first
+    # byte is retried within it, so the budget is sized to the concurrency here (the budget
+    # itself: tests/gateway/test_proxy_unit.py).
+    gw = start_gateway([survivor, spare_server.url], tmp_path / "gateway.log",
+                       "--set", "upstream.retry_budget_min=4")
     try:
         results = asyncio.run(_load_and_kill(gw, spare_server, n=12, concurrency=4))
         failed = [r for r in results if not r[0]]
