@@ -83,6 +83,10 @@ class DriverConfig:
     allow_remote: bool = False
     seed: int = 0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    api: str = "chat"  # the API the requests speak: one of API_CHOICES
+
+
+API_CHOICES = ("chat", "messages", "responses")  # /v1/chat/completions, /v1/messages, /v1/responses
 
 
 @dataclass
