@@ -260,6 +260,7 @@ def build_context(
         stream=stream,
         routing_key=session.session or _prefix_key(raw, model, hashes, hcfg.routing_key_blocks),
         routing_text=routing_text,
+        payload=data,
     )
 
 

@@ -39,6 +39,9 @@ class RequestContext:
     stream: bool = False
     routing_key: str | None = None  # stable text key for hash-based baselines (session or prefix)
     routing_text: str = ""  # SGLang-router style routing text (for the sglang-cache-aware baseline)
+    # The parsed JSON body, kept for the gateway's own consumers (the precise index's
+    # tokenizer, the Responses store); policies never read it.
+    payload: Mapping[str, object] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
