@@ -338,7 +338,8 @@ class Proxy:
         decision = attempt.decision
         return [*downstream_headers(attempt.response.headers.raw),
                 (b"x-kvgate-replica", decision.replica.encode("latin-1")),
-                (b"x-kvgate-route-reason", decision.reason.encode("latin-1"))]
+                (b"x-kvgate-route-reason", decision.reason.encode("latin-1")),
+                (b"x-kvgate-expected-cached-tokens", str(decision.predicted_cached_tokens).encode("latin-1"))]
 
     async def _buffered(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes],
                         headers: list[tuple[bytes, bytes]]) -> Response:
