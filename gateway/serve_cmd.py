@@ -10,8 +10,10 @@ graceful shutdown), access log off. The listeners are bound here first (the main
 and ``admin.port``'s when set), then the admin token is resolved (``admin.token``, or
 ``admin.token_file``, or generated into a 0600 file whose path is logged and which is
 removed at exit). ``--workers N`` runs N gateway processes on those sockets (uvicorn's
-supervisor; each child builds its own app and server from the same settings, passed as
-JSON in ``KVGATE_SERVE_SETTINGS_JSON``). Workers share routing state only through Redis
+supervisor; each child builds its own app and server from the same settings, handed to
+it inside the pickled process object over multiprocessing's pipe: ``EdgeAppFactory``,
+never through the environment, where the admin token and the replica API key would be
+inherited by every child process and readable in ``/proc/<pid>/environ``). Workers share routing state only through Redis
 (``--redis-url``): without it each has its own prefix index, and affinity is per worker.
 
 A bad configuration (file syntax, a field's value, an unreadable token file) is one
@@ -28,7 +30,6 @@ import argparse
 import gc
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("kvgate.serve")
-SETTINGS_ENV = "KVGATE_SERVE_SETTINGS_JSON"  # settings handed to --workers children
 
 # flag dest -> settings fields (dotted); flags left unset do not override anything.
 # --redis-url is what several gateways share: the prefix index and the replica state.
@@ -227,9 +227,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_config(app: Any, settings: Settings, workers: int) -> uvicorn.Config:
+def uvicorn_config(app: Any, settings: Settings, workers: int, factory: bool = False) -> uvicorn.Config:
     server = settings.server
-    return uvicorn.Config(app, factory=isinstance(app, str), workers=workers, log_level=settings.log_level,
+    return uvicorn.Config(app, factory=factory, workers=workers, log_level=settings.log_level,
                           access_log=False, timeout_keep_alive=int(max(1.0, server.keep_alive_timeout_s)),
                           timeout_graceful_shutdown=int(server.shutdown_grace_s), loop="uvloop",
                           http=EdgeProtocol, ws="none", limit_concurrency=None, proxy_headers=False)
@@ -241,37 +241,48 @@ def gateway_server(config: uvicorn.Config, settings: Settings) -> GatewayServer:
     return GatewayServer(config, edge)
 
 
-def edge_app() -> EdgeApp:
-    """The app of one process, from the settings in ``SETTINGS_ENV`` (``--workers`` children's
-    uvicorn factory; the single process builds it the same way)."""
-    from gateway.app import create_app
+class EdgeAppFactory:
+    """The app of one process, built from the effective settings (with their secrets).
 
-    settings = Settings.model_validate(json.loads(os.environ[SETTINGS_ENV]))
-    if not logging.getLogger().handlers:  # a --workers child: a fresh interpreter
-        _log_setup(settings)
-    fastapi_app = create_app(settings)
-    app = EdgeApp(InferenceFastPath(fastapi_app), lambda: fastapi_app.state.gateway.metrics)
-    gc.freeze()
-    return app
+    Picklable: a ``--workers`` child receives it inside its uvicorn config (uvicorn's
+    factory mode calls it there); the single process calls it directly.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        data = settings.model_dump(mode="json")
+        data["admin"]["token"] = settings.admin_token_value()
+        key = settings.upstream.replica_api_key  # SecretStr: model_dump masks it
+        data["upstream"]["replica_api_key"] = key.get_secret_value() if key is not None else None
+        self.settings_json = json.dumps(data)
+
+    def settings(self) -> Settings:
+        return Settings.model_validate(json.loads(self.settings_json))
+
+    def __call__(self) -> EdgeApp:
+        from gateway.app import create_app
+
+        settings = self.settings()
+        if not logging.getLogger().handlers:  # a --workers child: a fresh interpreter
+            _log_setup(settings)
+        fastapi_app = create_app(settings)
+        app = EdgeApp(InferenceFastPath(fastapi_app), lambda: fastapi_app.state.gateway.metrics)
+        gc.freeze()
+        return app
 
 
 def serve(settings: Settings, sockets: list[socket.socket], workers: int) -> None:
     """Run the gateway on ``sockets``: in this process, or in ``workers`` children."""
-    data = settings.model_dump(mode="json")
-    data["admin"]["token"] = settings.admin_token_value()
-    key = settings.upstream.replica_api_key  # SecretStr: model_dump masks it
-    data["upstream"]["replica_api_key"] = key.get_secret_value() if key is not None else None
-    os.environ[SETTINGS_ENV] = json.dumps(data)
+    factory = EdgeAppFactory(settings)
     admin = f", admin API on {settings.admin.host or settings.host}:{settings.admin.port}" \
         if settings.admin.port is not None else ""
     log.info("kvgate serve: listening on http://%s:%d%s, %d worker(s)", settings.host, settings.port, admin, workers)
     if workers > 1:
         if not settings.index.redis_url:
             log.warning("%d workers without --redis-url: each worker routes with its own prefix index", workers)
-        config = uvicorn_config("gateway.serve_cmd:edge_app", settings, workers)
+        config = uvicorn_config(factory, settings, workers, factory=True)
         Workers(config, sockets=sockets).run()
         return
-    gateway_server(uvicorn_config(edge_app(), settings, 1), settings).run(sockets=sockets)
+    gateway_server(uvicorn_config(factory(), settings, 1), settings).run(sockets=sockets)
 
 
 class WorkerProcess(Process):
@@ -280,8 +291,9 @@ class WorkerProcess(Process):
     @property
     def server(self) -> Server:
         if self._server is None:
-            settings = Settings.model_validate(json.loads(os.environ[SETTINGS_ENV]))
-            self._server = gateway_server(self.config, settings)
+            factory = self.config.app
+            assert isinstance(factory, EdgeAppFactory)
+            self._server = gateway_server(self.config, factory.settings())
         return self._server
 
     def target(self, sockets: list[socket.socket] | None = None) -> None:  # pragma: no cover (child)

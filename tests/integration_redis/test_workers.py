@@ -7,12 +7,13 @@ state through Redis.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from loadtest.simulator.fleet import SimFleet
-from tests.integration.conftest import AUTH, Gateway, start_gateway
+from tests.integration.conftest import ADMIN_TOKEN, AUTH, Gateway, start_gateway
 from tests.integration_redis.test_shared_redis import two_turns, until
 from tests.support.redis_server import redis_process
 
@@ -50,3 +51,16 @@ def test_two_workers_share_sessions_and_drains(workers_gateway: tuple[Gateway, S
         return states <= {"draining", "removed"}
 
     until(all_workers_see_it, 2.0, "every worker sees the drain")
+
+
+def test_worker_processes_get_no_secret_in_their_environment(workers_gateway: tuple[Gateway, SimFleet]) -> None:
+    """The settings (with the admin token) reach the children through the pickled process
+    object, never through the environment every child inherits and /proc exposes."""
+    gw, _ = workers_gateway
+    parent = gw.proc.popen.pid
+    children = [int(p) for p in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+    assert len(children) >= 2, children  # the two workers (uvicorn's spawn may add a resource tracker)
+    for pid in [parent, *children]:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert ADMIN_TOKEN.encode() not in environ, pid
+        assert b"KVGATE_SERVE_SETTINGS_JSON" not in environ, pid
