@@ -41,7 +41,8 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.server import Server
 from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
-from gateway.server import Edge, EdgeApp, EdgeProtocol, GatewayServer, connection_limit
+from gateway.edge import Edge, EdgeProtocol, connection_limit
+from gateway.server import EdgeApp, GatewayServer
 from gateway.settings import Settings, load_settings, set_path
 
 if TYPE_CHECKING:
