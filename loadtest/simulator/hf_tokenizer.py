@@ -27,6 +27,8 @@ from typing import Any
 
 import orjson
 
+from gateway.word_tokens import TOKENIZER_KEY, TOKENIZER_KIND
+
 UNK = "<unk>"
 _JSON = "tojson(separators=(',', ':'), sort_keys=True)"
 CHAT_TEMPLATE = (
@@ -82,7 +84,10 @@ def tokenizer_json() -> dict[str, Any]:
 def tokenizer_config(context_length: int) -> dict[str, Any]:
     return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
             "model_max_length": context_length, "clean_up_tokenization_spaces": False,
-            "add_bos_token": False, "add_eos_token": False}
+            "add_bos_token": False, "add_eos_token": False,
+            # the ids are the simulator's own (gateway/word_tokens.py), not this file's <unk>s:
+            # the gateway's precise mode reads this key to reproduce them
+            TOKENIZER_KEY: TOKENIZER_KIND}
 
 
 def write_tokenizer(path: Path, context_length: int) -> None:

@@ -1,6 +1,7 @@
 """A deterministic, download-free stand-in tokenizer for the simulated replica.
 
-``encode`` views the UTF-8 bytes of a text as little-endian 4-byte words (zero-padded
+``encode`` (defined in ``gateway/word_tokens.py``, so that the gateway's precise mode can
+reproduce the ids) views the UTF-8 bytes of a text as little-endian 4-byte words (zero-padded
 to a multiple of 4), mixes each word with a fixed 32-bit multiply-xorshift and maps it
 into a vocabulary of ``VOCAB_SIZE`` ids. So a token is 4 bytes: about 4 characters per
 token on English prose and on code, ids are stable across processes and runs (no
@@ -24,13 +25,14 @@ import numpy.typing as npt
 import orjson
 import xxhash
 
-VOCAB_SIZE = 163_840  # Kimi K2's vocabulary size
-BYTES_PER_TOKEN = 4
-_MUL_A = np.uint32(0x9E3779B1)
-_MUL_B = np.uint32(0x85EBCA77)
-_MIX_64 = np.uint64(0x9E3779B97F4A7C15)
+from gateway.word_tokens import (
+    BYTES_PER_TOKEN,
+    VOCAB_SIZE,
+    TokenIds,
+    encode,  # noqa: F401 (part of this tokenizer's API: tokenizer.encode)
+)
 
-TokenIds = npt.NDArray[np.uint32]
+_MIX_64 = np.uint64(0x9E3779B97F4A7C15)
 
 # Chat template markers (Kimi-like). The turn header is role-neutral: the role name comes
 # right after it, so a prompt ending with the generation header is a byte prefix of the
@@ -48,24 +50,6 @@ def _syllables() -> tuple[str, ...]:
 
 
 _SYLLABLES = _syllables()  # immutable: 90 two-letter syllables
-
-
-def encode(text: str | bytes) -> TokenIds:
-    """Token ids of a text: one id per 4 UTF-8 bytes, deterministic (dtype uint32)."""
-    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-    pad = (-len(data)) % BYTES_PER_TOKEN
-    if pad:
-        data += b"\0" * pad
-    words = np.frombuffer(data, dtype="<u4") * _MUL_A  # a new, writable uint32 array
-    words ^= words >> np.uint32(15)
-    words *= _MUL_B
-    words ^= words >> np.uint32(13)
-    # Range reduction without a division: the top 17 bits (0..131071) times 5/4 cover
-    # 0..163839 = VOCAB_SIZE - 1 (VOCAB_SIZE = 5 * 2**15).
-    words >>= np.uint32(15)
-    words *= np.uint32(5)
-    words >>= np.uint32(2)
-    return words
 
 
 def count_tokens(text: str | bytes) -> int:
