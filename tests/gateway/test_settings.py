@@ -123,11 +123,11 @@ def test_config_error_without_file_names_the_field() -> None:
 def test_connection_limit_stays_below_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
-    from gateway import server
+    from gateway import edge
 
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
     monkeypatch.setattr(resource, "setrlimit", lambda *_: None)
     s = load_settings(overrides={"server": {"max_connections": 4096}, "upstream": {"max_connections": 256}})
-    assert server.connection_limit(s) == 1024 - 256 - server.FD_MARGIN
+    assert edge.connection_limit(s) == 1024 - 256 - edge.FD_MARGIN
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 65536))  # raised to what is needed
-    assert server.connection_limit(s) == 4096
+    assert edge.connection_limit(s) == 4096
