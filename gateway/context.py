@@ -23,6 +23,7 @@ import orjson
 import xxhash
 from pydantic import BaseModel, Field
 
+from gateway import api_agents as agent_api
 from gateway import conversation, prefix_hash
 from gateway.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from policies.base import RequestContext, SessionKeys
@@ -31,7 +32,11 @@ ENDPOINTS = {
     "chat": "chat", "/v1/chat/completions": "chat",
     "completions": "completions", "/v1/completions": "completions",
     "generate": "generate", "/generate": "generate",
+    "messages": "messages", "/v1/messages": "messages",
+    "count_tokens": "count_tokens", "/v1/messages/count_tokens": "count_tokens",
+    "responses": "responses", "/v1/responses": "responses",
 }
+AGENT_ENDPOINTS = agent_api.ENDPOINTS  # messages, count_tokens, responses: validated by gateway.api_agents
 MAX_KEY_CHARS = 128  # longer session keys / request ids are replaced by a digest
 MAX_JSON_DEPTH = 128  # arrays/objects nested deeper are refused (see the module docstring)
 _ORJSON_MAX_DEPTH = 254  # orjson.dumps raises beyond this
@@ -51,12 +56,15 @@ class SessionConfig(BaseModel):
 
     Order: our explicit ``x-kvgate-session``; Claude Code's ``x-claude-code-agent-id``
     before its ``x-claude-code-session-id`` (a subagent is its own conversation with its
-    own prefix, inside the session); Codex ``session-id``; OpenCode ``x-session-id``.
-    Then the OpenAI ``user`` field (as ``user:<value>``) when ``use_user_field``.
+    own prefix, inside the session); Codex ``session-id`` / ``session_id``; OpenCode
+    ``x-session-id``. Then, when ``use_user_field``, the body's own key (as
+    ``user:<value>``): chat's ``user``; Anthropic's ``metadata.user_id`` (Claude Code puts
+    its session id in it); Responses' ``prompt_cache_key``, else ``user``.
     """
 
     headers: list[str] = Field(default_factory=lambda: [
-        "x-kvgate-session", "x-claude-code-agent-id", "x-claude-code-session-id", "session-id", "x-session-id",
+        "x-kvgate-session", "x-claude-code-agent-id", "x-claude-code-session-id", "session-id", "session_id",
+        "x-session-id",
     ])
     parent_headers: list[str] = Field(default_factory=lambda: [
         "x-kvgate-parent-session", "x-claude-code-parent-agent-id", "x-parent-session-id",
@@ -193,6 +201,9 @@ def _render(endpoint: str, data: dict[str, Any], keep_text: bool) -> tuple[bytes
         except conversation.ShapeError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         return text.encode(), len(text), prefix_hash.chat_routing_text(messages) if keep_text else "", None
+    if endpoint in AGENT_ENDPOINTS:
+        text = agent_api.render(endpoint, data)
+        return text.encode(), len(text), text if keep_text else "", None
     field = "prompt" if endpoint == "completions" else ("text" if "text" in data else "input_ids")
     prompt: Any = data.get(field)
     if endpoint == "generate" and prompt is None:
@@ -218,6 +229,8 @@ def _max_tokens(endpoint: str, data: Mapping[str, Any]) -> int | None:
         if not isinstance(params, dict):
             raise InvalidRequest("'sampling_params' must be an object", param="sampling_params")
         return _optional_int(params, "max_new_tokens")
+    if endpoint == "responses":
+        return _optional_int(data, "max_output_tokens")
     value = _optional_int(data, "max_tokens")
     return _optional_int(data, "max_completion_tokens") if value is None and endpoint == "chat" else value
 
@@ -236,7 +249,7 @@ def build_context(
     hcfg = cfg.hashing
     _check_content_type(content_type)
     data = _parse(body, hcfg.max_body_bytes)
-    model = _model(data)
+    model = agent_api.check(kind, data) if kind in AGENT_ENDPOINTS else _model(data)
     max_tokens, stream = _max_tokens(kind, data), _stream(data)
     try:
         raw, chars, routing_text, n_tokens = _render(kind, data, hcfg.keep_routing_text)
@@ -245,7 +258,7 @@ def build_context(
     hashes = prefix_hash.chain_hashes(raw, model, hcfg.block_chars, hcfg.max_blocks)
     if n_tokens is not None:
         chars = int(n_tokens * hcfg.chars_per_token)
-    session = session_keys(headers, data.get("user"), cfg.sessions)
+    session = session_keys(headers, agent_api.session_field(kind, data), cfg.sessions)
     request_id = headers.get("x-request-id") or os.urandom(12).hex()
     return RequestContext(
         request_id=_bounded(request_id),

@@ -1,4 +1,4 @@
-"""Errors the gateway returns, as a small hierarchy mapped to OpenAI-shaped bodies.
+"""Errors the gateway returns, as a small hierarchy mapped to each API's error body.
 
     GatewayError                      -> {"error": {"message", "type", "code", "param"}}
      +-- InvalidRequest (400)            malformed JSON, missing messages/prompt, bad field
@@ -10,10 +10,35 @@
      +-- NoReplicaAvailable (503)        nothing routable
      +-- UpstreamError (502)             every attempt failed before the first byte
      +-- UpstreamTimeout (504)           the replica did not answer in time
+
+Two shapes (``GatewayError.body(api)``): OpenAI's ``{"error": {"message", "type",
+"code", "param"}}`` for every endpoint but Anthropic's, and Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` for ``/v1/messages`` and
+``/v1/messages/count_tokens`` (``api_of(endpoint)`` says which), whose error type is
+named by the status (``ANTHROPIC_TYPES``: 400 invalid_request_error, 404
+not_found_error, 413 request_too_large, 503 overloaded_error, ...).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+Api = Literal["openai", "anthropic"]
+ANTHROPIC_ENDPOINTS = frozenset({"messages", "count_tokens"})
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def api_of(endpoint: str) -> Api:
+    """Whose error shapes an endpoint speaks (``RequestContext.endpoint`` values)."""
+    return "anthropic" if endpoint in ANTHROPIC_ENDPOINTS else "openai"
+
+
+def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
+    """Anthropic's error shape; the type follows the status (5xx other than 503: api_error)."""
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500
+                                                                     else "invalid_request_error"),
+                                       "message": message}}
 
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> dict[str, Any]:
@@ -33,7 +58,9 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
 
-    def body(self) -> dict[str, Any]:
+    def body(self, api: Api = "openai") -> dict[str, Any]:
+        if api == "anthropic":
+            return anthropic_error_body(self.message, self.status)
         return error_body(self.message, self.type, self.code, self.param)
 
 

@@ -4,7 +4,8 @@ Written by hand rather than generated from the routes: the inference endpoints a
 Starlette routes that pass the body through unchanged, so their schemas here are the
 minimal OpenAI/SGLang request shapes the gateway itself reads (``model``, ``messages``
 with ``role``/``content``, ``prompt``, ``text``, ``stream``, ``max_tokens``, session
-fields); any other field is allowed and reaches the replica as sent. The admin routes
+fields; Anthropic Messages and OpenAI Responses, whose errors are in their own shapes:
+docs/agents.md); any other field is allowed and reaches the replica as sent. The admin routes
 take their request bodies from the pydantic models in ``gateway/admin.py`` and carry the
 ``adminToken`` bearer security scheme. Schema-driven fuzzers (schemathesis,
 ``tests/safety/test_fuzz.py``) work from this document.
@@ -16,6 +17,7 @@ from typing import Any
 from gateway.admin import DrainRequest, PrepareRemoval, ReplicaRef
 
 ERROR = {"$ref": "#/components/schemas/Error"}
+ANTHROPIC_ERROR = {"$ref": "#/components/schemas/AnthropicError"}
 ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
 
 
@@ -23,11 +25,13 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def _responses(ok: dict[str, Any], *errors: int, ok_status: str = "200", sse: bool = False) -> dict[str, Any]:
+def _responses(ok: dict[str, Any], *errors: int, ok_status: str = "200", sse: bool = False,
+               error: dict[str, Any] = ERROR) -> dict[str, Any]:
     content = _json(ok) | ({"text/event-stream": {"schema": {"type": "string"}}} if sse else {})
     out: dict[str, Any] = {ok_status: {"description": "success", "content": content}}
+    shape = "Anthropic" if error is ANTHROPIC_ERROR else "OpenAI"
     for status in errors:
-        out[str(status)] = {"description": "error (OpenAI-shaped)", "content": _json(ERROR)}
+        out[str(status)] = {"description": f"error ({shape}-shaped)", "content": _json(error)}
     return out
 
 
@@ -57,6 +61,53 @@ def _inference(summary: str, required: str, field: dict[str, Any]) -> dict[str, 
                      "responses": _responses(ANY_OBJECT, *INFERENCE_ERRORS, sse=True)}}
 
 
+ANTHROPIC_MESSAGE = {
+    "type": "object", "required": ["role", "content"], "additionalProperties": True,
+    "properties": {"role": {"type": "string", "enum": ["user", "assistant", "system"]},
+                   "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": ANY_OBJECT}]}},
+}
+
+
+def _agents() -> dict[str, Any]:
+    """Anthropic Messages (Claude Code) and OpenAI Responses (Codex): see docs/agents.md."""
+    messages = {"type": "array", "items": ANTHROPIC_MESSAGE}
+    system = {"oneOf": [{"type": "string"}, {"type": "array", "items": ANY_OBJECT}]}
+    anthropic = {"model": {"type": "string", "minLength": 1}, "messages": messages, "system": system,
+                 "stream": {"type": "boolean"}, "max_tokens": {"type": "integer", "minimum": 1},
+                 "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}}}
+
+    def op(summary: str, required: list[str], props: dict[str, Any], error: dict[str, Any] = ERROR,
+           sse: bool = True) -> dict[str, Any]:
+        body = {"type": "object", "required": required, "additionalProperties": True, "properties": props}
+        return {"post": {"summary": summary, "operationId": summary.replace(" ", "_"),
+                         "requestBody": {"required": True, "content": _json(body)},
+                         "responses": _responses(ANY_OBJECT, *INFERENCE_ERRORS, sse=sse, error=error)}}
+
+    responses = {"model": {"type": "string", "minLength": 1}, "stream": {"type": "boolean"},
+                 "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": ANY_OBJECT}]},
+                 "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},
+                 "previous_response_id": {"type": "string", "pattern": "^resp_"}}
+    rid = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    stored = {"parameters": rid, "responses": _responses(ANY_OBJECT, 400, 404, 502)}
+    return {
+        "/v1/messages": op("anthropic messages", ["model", "max_tokens", "messages"], anthropic, ANTHROPIC_ERROR),
+        "/v1/messages/count_tokens": op("anthropic count tokens", ["model", "messages"],
+                                        {k: v for k, v in anthropic.items() if k != "max_tokens"},
+                                        ANTHROPIC_ERROR, sse=False),
+        "/v1/responses": op("responses", ["model", "input"], responses),
+        "/v1/responses/{response_id}": {"get": {"summary": "retrieve response", "operationId": "retrieve_response",
+                                                **stored},
+                                        "delete": {"summary": "delete response", "operationId": "delete_response",
+                                                   **stored}},
+        "/v1/responses/{response_id}/cancel": {"post": {"summary": "cancel response",
+                                                        "operationId": "cancel_response", **stored}},
+        "/v1/models/{model}": {"get": {"summary": "retrieve model", "operationId": "retrieve_model",
+                                       "parameters": [{"name": "model", "in": "path", "required": True,
+                                                       "schema": {"type": "string"}}],
+                                       "responses": _responses(ANY_OBJECT, 404)}},
+    }
+
+
 def _admin(method: str, summary: str, body: type | None = None, *, status: str = "200",
            params: list[dict[str, Any]] | None = None, errors: tuple[int, ...] = (400, 401, 403)) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "operationId": "admin_" + summary.replace(" ", "_"),
@@ -84,6 +135,7 @@ def openapi_document() -> dict[str, Any]:
                                       {"oneOf": [{"type": "string", "minLength": 1},
                                                  {"type": "array", "minItems": 1, "items": {"type": "string"}}]}),
         "/generate": _inference("generate", "text", {"type": "string", "minLength": 1}),
+        **_agents(),
         "/v1/models": _get("list models"),
         "/health": _get("liveness"),
         "/ready": _get("readiness", 503),
@@ -103,11 +155,14 @@ def openapi_document() -> dict[str, Any]:
         "type": "object", "required": ["message", "type"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "code": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}}}}}
+    anthropic_error = {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+            "type": {"type": "string"}, "message": {"type": "string"}}}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvgate", "version": "0.1.0",
                  "description": "Cache-aware gateway in front of SGLang replicas (OpenAI-compatible)."},
         "paths": paths,
-        "components": {"schemas": {"Error": error},
+        "components": {"schemas": {"Error": error, "AnthropicError": anthropic_error},
                        "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer"}}},
     }

@@ -31,6 +31,12 @@ first body byte, so whatever fails before it can be retried invisibly. Every out
     give up (max_retries, retry budget, no        the last replica's answer as is, else
     replica left)                                 502 upstream_error / 504 upstream_timeout
 
+A request pinned to one replica (``forward(..., pin=)``: a Responses request whose
+``previous_response_id`` that replica created, ``gateway.api_routes``) is decided with
+every other replica excluded (reason ``previous-response``), never goes through
+``reserve`` and is never retried elsewhere: its failure is answered as it is. Error
+bodies and the SSE error event are in the shape of the request's API (``ctx.endpoint``).
+
 "failure" feeds the registry's outlier detector (replicas/outlier.py), one per distinct
 request; "success" resets its streak. Retries are bounded per request (``max_retries``)
 and fleet-wide (``RetryBudget``: retries in flight <= max(``retry_budget_min``,
@@ -81,9 +87,10 @@ from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext, 
 from prefix_index.base import ReplicaId
 from replicas.registry import LoadLease, Registry
 
-__all__ = ["CLIENT_CLOSED", "Proxy"]
+__all__ = ["CLIENT_CLOSED", "PINNED", "Proxy"]
 
 log = logging.getLogger("kvgate.proxy")
+PINNED = "previous-response"  # the decision reason of a request pinned to its previous response's replica
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", used in metrics/outcomes only
 BLAMED = frozenset({"connect", "disconnect", "head_timeout", "first_byte_timeout", "total_timeout"})
 
@@ -151,15 +158,25 @@ class Proxy:
         await self.upstream.close()
 
     async def forward(self, ctx: RequestContext, path: str, body: bytes,
-                      headers: list[tuple[bytes, bytes]], started_s: float) -> Response:
-        """Route, send, relay; failures come back as OpenAI-shaped error responses."""
+                      headers: list[tuple[bytes, bytes]], started_s: float,
+                      pin: ReplicaId | None = None) -> Response:
+        """Route, send, relay; failures come back as error responses in the shape of the
+        request's API (``ctx.endpoint``). ``pin``: the only replica that may take it (the
+        creator of a ``previous_response_id``): the policy decides with every other replica
+        excluded, the decision's reason becomes ``previous-response``, nothing is retried
+        elsewhere."""
         router = self.router
         inputs = await router.snapshot(ctx)
         try:
-            decision = router.decide(ctx, inputs)
+            if pin is None:
+                decision = router.decide(ctx, inputs)
+            else:
+                others = frozenset(v.id for v in inputs.replicas if v.id != pin)
+                decision = dataclasses.replace(router.decide(ctx, inputs, others), reason=PINNED)
         except NoRoutableReplica as exc:
+            router.forget(ctx)  # never routed: nothing will complete it
             return error_response(NoReplicaAvailable(f"no replica can take this request ({exc})"),
-                                  route_headers("none", "no-replica"))
+                                  route_headers("none", "no-replica"), ctx.endpoint)
         self.budget.requests += 1
         response: Response | None = None
         try:
@@ -220,8 +237,8 @@ class Proxy:
                 return None
         elif failure.kind in BLAMED:
             self.registry.report_failure(replica, failure.kind)
-        if not failure.retryable or tries.retries >= self.cfg.max_retries:
-            return None
+        if not failure.retryable or tries.retries >= self.cfg.max_retries or attempt.decision.reason == PINNED:
+            return None  # (no other replica holds a pinned request's previous response)
         decision = self._retry_decision(ctx, inputs, tries, budgeted=failure.kind != "connect")
         if decision is not None and failure.kind == "status_5xx":
             tries.judge = replica
@@ -266,7 +283,8 @@ class Proxy:
         if failure.response is not None:
             return await self._buffered(attempt, b"", failure.response.aiter_raw(), self._response_headers(attempt))
         await self._close(attempt, Outcome(ok=False, status=failure.error.status))
-        return error_response(failure.error, route_headers(attempt.decision.replica, attempt.decision.reason))
+        return error_response(failure.error, route_headers(attempt.decision.replica, attempt.decision.reason),
+                              attempt.ctx.endpoint)
 
     async def _lease(self, decision: Decision, tried: set[ReplicaId]) -> tuple[Decision, LoadLease]:
         """Count the request on the chosen replica now.
@@ -281,7 +299,7 @@ class Proxy:
         others = sorted((r for r, score in decision.scores.items()
                          if score >= floor and r != decision.replica and r not in tried),
                         key=lambda r: -decision.scores[r])
-        if not self.shared_state or not others:
+        if not self.shared_state or not others or decision.reason == PINNED:
             return decision, registry.lease(decision.replica, decision.predicted_uncached_tokens)
         lease = await registry.reserve([decision.replica, *others], decision.predicted_uncached_tokens)
         if lease.replica != decision.replica:
@@ -369,7 +387,8 @@ class Proxy:
         self.registry.report_failure(attempt.decision.replica, "mid_body")
         await self._close(attempt, Outcome(ok=False, status=502, ttft_s=self._ttft(attempt)))
         return error_response(UpstreamError(message), route_headers(attempt.decision.replica,
-                                                                    attempt.decision.reason))
+                                                                    attempt.decision.reason),
+                              attempt.ctx.endpoint)
 
     async def _relay(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         sniffer = attempt.sniffer
@@ -386,7 +405,8 @@ class Proxy:
         except (TimeoutError, UpstreamFailure) as exc:
             what = f"stalled for {stall_s:g} s" if _stalled(exc) else f"failed mid-stream ({exc})"
             attempt.stream_error = f"replica {attempt.decision.replica} {what}"
-            yield (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error(attempt.stream_error)
+            yield (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error(attempt.stream_error,
+                                                                             api=attempt.ctx.endpoint)
             return
         finally:
             attempt.last_byte_s = time.perf_counter()

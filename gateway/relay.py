@@ -4,12 +4,13 @@
   ``/generate`` ``meta_info``; ``usage_of_body`` finds it in a buffered JSON body by
   parsing only from the ``"usage"`` key on when it is near the end (the OpenAI and SGLang
   bodies put it last), else the whole body.
-- ``UsageSniffer``: keeps the last complete SSE line mentioning ``"usage"`` while a stream
-  is relayed, parses it once at the end.
-- ``sse_error``: the event sent when a stream breaks after the first byte.
+- ``UsageSniffer``: keeps the first and last complete SSE lines mentioning ``"usage"``
+  while a stream is relayed, parses them once at the end.
+- ``sse_error``: the event sent when a stream breaks after the first byte, in the
+  grammar of the request's API.
 - headers: ``upstream_headers`` (the client's, cleaned: hop-by-hop, ``Expect``,
   ``x-kvgate-*``, credentials; ``X-Forwarded-*`` added), ``downstream_headers`` (the
-  replica's, cleaned), the routing headers; ``json_response`` / ``error_response`` (OpenAI-shaped errors).
+  replica's, cleaned), the routing headers; ``json_response`` / ``error_response`` (errors in the request's API's shape).
 - ``RelayResponse``: a StreamingResponse whose cleanup always runs (end, error, client
   disconnect), shielded from cancellation.
 """
@@ -23,7 +24,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError, UpstreamError, error_body
+from gateway.errors import GatewayError, UpstreamError, anthropic_error_body, api_of, error_body
 from gateway.upstream_config import UpstreamConfig
 
 HOP_BY_HOP = frozenset({
@@ -32,7 +33,8 @@ HOP_BY_HOP = frozenset({
 })
 # response headers the gateway's own server sets
 NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}
-_OWN_PREFIX = b"x-kvgate-"  # the gateway's own headers: never taken from a client or a replica
+_OWN_PREFIX = b"x-kvgate-"
+CREDENTIALS = frozenset({b"authorization", b"x-api-key"})  # OpenAI's and Anthropic's client keys  # the gateway's own headers: never taken from a client or a replica
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +69,8 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], policy: HeaderPolicy = Head
     Dropped: hop-by-hop headers (``HOP_BY_HOP``, every ``proxy-*``, every header named in
     the client's ``Connection:``), ``Expect`` (the gateway has read the whole body already;
     a replica's ``100 Continue`` must not be awaited), the client's ``x-kvgate-*``, and the
-    client's ``Authorization`` unless ``policy.forward_authorization`` (a configured
-    replica key replaces it). ``client`` is appended to ``X-Forwarded-For``;
+    client's credentials (``Authorization``, Anthropic's ``x-api-key``) unless
+    ``policy.forward_authorization`` (a configured replica key replaces them). ``client`` is appended to ``X-Forwarded-For``;
     ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` are set when the client sent none."""
     named = _connection_named(raw)
     keep_auth = policy.forward_authorization and policy.replica_authorization is None
@@ -80,7 +82,7 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], policy: HeaderPolicy = Head
         name = k.lower()
         if name == b"host":
             host = v
-        if _drop(name, named) or (name == b"authorization" and not keep_auth):
+        if _drop(name, named) or (name in CREDENTIALS and not keep_auth):
             continue
         if name == b"x-forwarded-for":
             forwarded_for.append(v)
@@ -117,9 +119,10 @@ def json_response(data: object, status: int = 200, headers: dict[str, str] | Non
     return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
 
 
-def error_response(error: GatewayError, headers: dict[str, str] | None = None) -> Response:
-    """The OpenAI-shaped JSON body of a gateway error, with the routing headers."""
-    return Response(orjson.dumps(error.body()), status_code=error.status,
+def error_response(error: GatewayError, headers: dict[str, str] | None = None, api: str = "chat") -> Response:
+    """The JSON body of a gateway error in the shape of ``api``'s API (an endpoint name:
+    Anthropic's for messages, OpenAI's otherwise), with the routing headers."""
+    return Response(orjson.dumps(error.body(api_of(api))), status_code=error.status,
                     headers=headers or route_headers("none", "none"), media_type="application/json")
 
 
@@ -127,17 +130,41 @@ Usage = tuple[int | None, int | None, int | None]  # prompt, cached, completion 
 
 
 def usage_of(document: object) -> Usage:
-    """(prompt, cached, completion) tokens from an OpenAI ``usage`` or a /generate ``meta_info``."""
+    """(prompt, cached, completion) tokens from any usage the replica reports.
+
+    OpenAI chat/completions ``usage`` (``prompt_tokens_details.cached_tokens``), a
+    /generate ``meta_info``, OpenAI Responses ``usage`` (``input_tokens`` includes the
+    cached ``input_tokens_details.cached_tokens``), Anthropic ``usage`` (``input_tokens``
+    *excludes* ``cache_read_input_tokens``, which SGLang omits when 0), also nested in a
+    Responses stream event (``response.usage``) or Anthropic's ``message_start``
+    (``message.usage``)."""
     if not isinstance(document, dict):
         return None, None, None
     usage = document.get("usage") or document.get("meta_info")
+    if usage is None and isinstance(inner := document.get("response") or document.get("message"), dict):
+        usage = inner.get("usage")
     if not isinstance(usage, dict):
         return None, None, None
+    if "prompt_tokens" not in usage and ("input_tokens" in usage or "output_tokens" in usage):
+        return _agent_usage(usage)
     cached = usage.get("cached_tokens")  # /generate meta_info
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict):
         cached = details.get("cached_tokens", cached)
     return _count(usage.get("prompt_tokens")), _count(cached), _count(usage.get("completion_tokens"))
+
+
+def _agent_usage(usage: dict[str, object]) -> Usage:
+    """Responses (``input_tokens_details``) or Anthropic (``cache_*_input_tokens``) usage."""
+    prompt, completion = _count(usage.get("input_tokens")), _count(usage.get("output_tokens"))
+    details = usage.get("input_tokens_details")
+    if isinstance(details, dict):
+        return prompt, _count(details.get("cached_tokens")), completion
+    read = _count(usage.get("cache_read_input_tokens"))
+    if prompt is None:
+        return None, read, completion
+    written = _count(usage.get("cache_creation_input_tokens")) or 0
+    return prompt + (read or 0) + written, read or 0, completion
 
 
 def _count(value: object) -> int | None:
@@ -146,13 +173,17 @@ def _count(value: object) -> int | None:
 
 
 class UsageSniffer:
-    """Keeps the last complete SSE line mentioning ``"usage"``; parses it once at the end."""
+    """Keeps the first and the last complete SSE lines mentioning ``"usage"``; parses
+    them once at the end, the last one's counts winning (Anthropic reports the prompt in
+    ``message_start`` and the output in ``message_delta``; chat and Responses report
+    everything last)."""
 
-    __slots__ = ("carry", "last_line")
+    __slots__ = ("carry", "first_line", "last_line")
     MAX_CARRY = 4 * 1024 * 1024
 
     def __init__(self) -> None:
         self.carry = b""
+        self.first_line = b""
         self.last_line = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -164,20 +195,45 @@ class UsageSniffer:
         self.carry = data[end + 1:]
         hit = data.rfind(b'"usage"', 0, end)
         if hit >= 0:
-            self.last_line = data[data.rfind(b"\n", 0, hit) + 1: data.find(b"\n", hit)]
+            self.last_line = _line_at(data, hit)
+            if not self.first_line:
+                self.first_line = _line_at(data, data.find(b'"usage"', 0, end))
 
     def usage(self) -> Usage:
-        line = self.last_line.strip()
-        if not line.startswith(b"data:"):
-            return None, None, None
-        try:
-            return usage_of(orjson.loads(line[5:]))
-        except orjson.JSONDecodeError:
-            return None, None, None
+        last = _sse_usage(self.last_line)
+        if self.first_line == self.last_line:
+            return last
+        first = _sse_usage(self.first_line)
+        return (last[0] if last[0] is not None else first[0], last[1] if last[1] is not None else first[1],
+                last[2] if last[2] is not None else first[2])
 
 
-def sse_error(message: str, type_: str = UpstreamError.type, code: str | int = 502) -> bytes:
-    """The event that ends a stream the gateway cannot finish (``[DONE]`` after it)."""
+def _line_at(data: bytes, at: int) -> bytes:
+    return data[data.rfind(b"\n", 0, at) + 1: data.find(b"\n", at)]
+
+
+def _sse_usage(line: bytes) -> Usage:
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None, None, None
+    try:
+        return usage_of(orjson.loads(line[5:]))
+    except orjson.JSONDecodeError:
+        return None, None, None
+
+
+def sse_error(message: str, type_: str = UpstreamError.type, code: str | int = 502, api: str = "chat") -> bytes:
+    """The event that ends a stream the gateway cannot finish, in the grammar of the
+    request's API (``api``: a ``RequestContext.endpoint``): OpenAI's ``data: {"error"}``
+    then ``[DONE]``; Anthropic's ``event: error`` (``overloaded_error`` / ``api_error``);
+    Responses' ``event: error`` (``{"type": "error", "code", "message", "param"}``)."""
+    if api_of(api) == "anthropic":
+        status = code if isinstance(code, int) else 503 if "unavailable" in type_ or "shutdown" in type_ else 500
+        return b"event: error\ndata: " + orjson.dumps(anthropic_error_body(message, status)) + b"\n\n"
+    if api == "responses":
+        event = {"type": "error", "code": str(code) if isinstance(code, int) else code, "message": message,
+                 "param": None, "sequence_number": 0}
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
     return b"data: " + orjson.dumps(error_body(message, type_, code)) + b"\n\ndata: [DONE]\n\n"
 
 

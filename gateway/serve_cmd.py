@@ -143,9 +143,9 @@ class InferenceFastPath:
         except self.disconnect:  # the client left during the upload: nobody to answer
             log.debug("client disconnected during the request body")
             return
-        except Exception as exc:  # as the app's own handler: logged, OpenAI-shaped 500
+        except Exception as exc:  # as the app's own handler: logged, a 500 in the API's shape
             log.exception("inference request failed")
-            response = self.error_response(self.error(f"internal gateway error ({type(exc).__name__})"))
+            response = self.error_response(self.error(f"internal gateway error ({type(exc).__name__})"), None, endpoint)
         await response(scope, receive, send)
 
 

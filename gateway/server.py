@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 import orjson
 from uvicorn.server import Server
 
-from gateway.edge import Edge, EdgeServerState, error_bytes
+from gateway.edge import Edge, EdgeServerState
+from gateway.errors import anthropic_error_body, api_of, error_body
 from gateway.relay import sse_error
 
 if TYPE_CHECKING:
@@ -83,16 +84,17 @@ class EdgeApp:
         if edge.admin_port is not None:
             on_admin = (scope.get("server") or ("", None))[1] == edge.admin_port
             if on_admin != (path == "/admin" or path.startswith("/admin/")):
-                return 404, error_bytes(f"no route {scope['method']} {path}", "invalid_request_error",
+                return 404, edge_error(path, 404, f"no route {scope['method']} {path}", "invalid_request_error",
                                         "not_found"), False
         if edge.draining and path == "/ready":
             return 503, orjson.dumps({"ready": False, "draining": True, "routable_replicas": 0}), False
         if edge.closing:
             edge.rejected("shutting_down")
-            return 503, error_bytes("the gateway is shutting down", "service_unavailable", "server_shutdown"), True
+            return 503, edge_error(path, 503, "the gateway is shutting down", "service_unavailable",
+                                    "server_shutdown"), True
         if path not in PROBE_PATHS and edge.active >= edge.config.max_concurrent_requests:
             edge.rejected("concurrency_cap")
-            return 503, error_bytes("too many requests in progress at the gateway; retry shortly",
+            return 503, edge_error(path, 503, "too many requests in progress at the gateway; retry shortly",
                                     "service_unavailable", "concurrency_cap"), True
         return None
 
@@ -108,7 +110,7 @@ class EdgeApp:
         task = current_task()
         edge.active += counted
         edge.requests.add(task)  # type: ignore[arg-type]  # always inside a task here
-        relay = _Relay(send, edge)
+        relay = _Relay(send, edge, scope["path"])
         try:
             await self.app(scope, receive, relay.send)
         except asyncio.CancelledError:
@@ -122,8 +124,8 @@ class EdgeApp:
                 raise
             await relay.send({"type": "http.response.start", "status": 500,
                               "headers": [(b"content-type", b"application/json")]})
-            await relay.send({"type": "http.response.body", "body": error_bytes(
-                "internal gateway error", "internal_error", "internal_error")})
+            await relay.send({"type": "http.response.body", "body": edge_error(
+                scope["path"], 500, "internal gateway error", "internal_error", "internal_error")})
         finally:
             edge.active -= counted
             edge.requests.discard(task)
@@ -132,10 +134,10 @@ class EdgeApp:
 class _Relay:
     """Wraps ``send`` to see what the response is (SSE or not, started, complete)."""
 
-    __slots__ = ("boundary", "done", "edge", "sse", "started", "upstream")
+    __slots__ = ("boundary", "done", "edge", "path", "sse", "started", "upstream")
 
-    def __init__(self, upstream: Send, edge: Edge) -> None:
-        self.upstream, self.edge = upstream, edge
+    def __init__(self, upstream: Send, edge: Edge, path: str) -> None:
+        self.upstream, self.edge, self.path = upstream, edge, path
         self.started = self.sse = self.done = False
         self.boundary = True  # the bytes sent so far end between two SSE events
 
@@ -166,9 +168,10 @@ class _Relay:
                     await self.send({"type": "http.response.start", "status": 503,
                                      "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
                     await self.send({"type": "http.response.body",
-                                     "body": error_bytes(message, "server_shutdown", "server_shutdown")})
+                                     "body": edge_error(self.path, 503, message, "server_shutdown",
+                                                         "server_shutdown")})
                 elif self.sse and not self.done:
-                    body = (b"" if self.boundary else b"\n\n") + shutdown_event(message)
+                    body = (b"" if self.boundary else b"\n\n") + shutdown_event(message, endpoint_of(self.path))
                     await self.send({"type": "http.response.body", "body": body, "more_body": False})
                     if self.edge.metrics is not None:
                         self.edge.metrics.streams_cut_at_shutdown.inc()
@@ -225,6 +228,20 @@ class GatewayServer(Server):
             await asyncio.sleep(0.02)
 
 
-def shutdown_event(message: str) -> bytes:
-    """The SSE event that ends a stream cut at shutdown, then ``[DONE]``."""
-    return sse_error(message, "server_shutdown", "server_shutdown")
+def endpoint_of(path: str) -> str:
+    """The API a path belongs to, as a ``RequestContext.endpoint`` for the error shapes."""
+    if path.startswith("/v1/messages"):
+        return "messages"
+    return "responses" if path.startswith("/v1/responses") else "chat"
+
+
+def edge_error(path: str, status: int, message: str, type_: str, code: str) -> bytes:
+    """An error body answered by the edge itself, in the shape of the path's API."""
+    if api_of(endpoint_of(path)) == "anthropic":
+        return orjson.dumps(anthropic_error_body(message, status))
+    return orjson.dumps(error_body(message, type_, code))
+
+
+def shutdown_event(message: str, endpoint: str = "chat") -> bytes:
+    """The SSE event that ends a stream cut at shutdown, in the stream's API grammar."""
+    return sse_error(message, "server_shutdown", "server_shutdown", api=endpoint)

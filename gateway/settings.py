@@ -29,6 +29,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pydantic_settings.sources import InitSettingsSource
 
 from gateway.context import HashingConfig, SessionConfig
+from gateway.responses_store import ResponsesStoreConfig
 from gateway.scaling import ScaleConfig
 from gateway.upstream_config import UpstreamConfig
 from policies.config import PolicyConfig
@@ -106,6 +107,7 @@ class Settings(BaseSettings):
     hashing: HashingConfig = Field(default_factory=HashingConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
+    responses: ResponsesStoreConfig = Field(default_factory=ResponsesStoreConfig)
 
     @model_validator(mode="before")
     @classmethod

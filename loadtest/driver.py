@@ -1,10 +1,20 @@
 """Load drivers: closed-loop sessions and open-loop replay against an OpenAI-compatible URL.
 
-One asyncio loop, one shared ``httpx.AsyncClient``. Every request is a streaming chat
-completion with ``stream_options.include_usage``, ``max_tokens`` = the trace's output
-tokens and ``ignore_eos`` (SGLang extension) so output lengths are exact, and the
-session's headers (Claude Code: ``x-claude-code-session-id``; subagents add
-``x-claude-code-agent-id`` / ``x-claude-code-parent-agent-id``).
+One asyncio loop, one shared ``httpx.AsyncClient``. Every request streams, with the
+trace's output tokens as its limit and ``ignore_eos`` (SGLang extension) so output
+lengths are exact, and the session's headers (Claude Code: ``x-claude-code-session-id``;
+subagents add ``x-claude-code-agent-id`` / ``x-claude-code-parent-agent-id``). The API
+(``DriverConfig.api``, ``API_CHOICES``):
+
+- ``chat``: ``/v1/chat/completions``, ``messages``, ``max_tokens``,
+  ``stream_options.include_usage``;
+- ``messages``: Anthropic ``/v1/messages``, the system message as top-level ``system``,
+  the rest as ``messages``, ``max_tokens``;
+- ``responses``: OpenAI ``/v1/responses``, the system message as ``instructions``, the
+  rest as ``input`` message items, ``max_output_tokens``. With ``responses_chain``, a
+  session's turn after the first sends only the messages beyond those its previous turn
+  sent, with that turn's ``previous_response_id`` (the replica then prepends its stored
+  conversation: an approximation of the trace, whose last message grows in place).
 
 - Closed loop: a session sends turn ``i`` ``think_time`` after the response to turn
   ``i-1`` ended and after the subagents that turn started have finished. Sessions run
@@ -33,7 +43,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from loadtest.prompts import PromptRenderer, PromptSpec
+from loadtest.prompts import API_PATHS, PromptRenderer, PromptSpec, request_body
 from loadtest.results import RequestRecord
 from loadtest.sse import StreamParser, build_record
 from loadtest.workload import Session, Turn, Workload
@@ -84,9 +94,11 @@ class DriverConfig:
     seed: int = 0
     extra_body: dict[str, Any] = field(default_factory=dict)
     api: str = "chat"  # the API the requests speak: one of API_CHOICES
+    responses_chain: bool = False  # api "responses": chain turns with previous_response_id
 
 
-API_CHOICES = ("chat", "messages", "responses")  # /v1/chat/completions, /v1/messages, /v1/responses
+API_CHOICES = tuple(API_PATHS)  # chat, messages, responses (loadtest.prompts.request_body)
+
 
 
 @dataclass
@@ -114,6 +126,7 @@ class Driver:
         self._t0 = 0.0
         self._deadline = float("inf")
         self._gate = asyncio.Semaphore(config.max_inflight)
+        self._chains: dict[str, tuple[str, int]] = {}  # session -> (last response id, messages it sent)
 
     # ---- timing ---------------------------------------------------------------------
     def _now(self) -> float:
@@ -246,16 +259,21 @@ class Driver:
 
     # ---- one request ----------------------------------------------------------------
     async def _request(self, session: Session, i: int, turn: Turn, messages: list[dict[str, str]]) -> None:
-        body = {"model": self.model, "messages": messages, "stream": True,
-                "stream_options": {"include_usage": True}, "max_tokens": turn.out_tokens,
-                "ignore_eos": True, **self.cfg.extra_body}
+        previous, n_messages = None, len(messages)
+        chained = self.cfg.api == "responses" and self.cfg.responses_chain
+        if chained and i > 0 and (last := self._chains.get(session.id)) is not None:
+            previous, sent = last
+            messages = [m for m in messages if m["role"] == "system"] + messages[max(sent, 1):]
+            if len(messages) == 1 or messages[-1]["role"] != "user":
+                messages.append({"role": "user", "content": "Continue."})
+        body = request_body(self.cfg.api, self.model, messages, turn.out_tokens, self.cfg.extra_body, previous)
         headers = {"content-type": "application/json", **session.headers}
         async with self._gate:
             c = self.counters
             c.inflight += 1
             c.max_inflight = max(c.max_inflight, c.inflight)
             try:
-                rec = await self._stream(session, i, turn, orjson.dumps(body), headers)
+                rec = await self._stream(session, i, turn, orjson.dumps(body), headers, n_messages)
             finally:
                 c.inflight -= 1
         self.records.append(rec)
@@ -263,15 +281,15 @@ class Driver:
             self.on_record(rec)
 
     async def _stream(self, session: Session, i: int, turn: Turn, payload: bytes,
-                      headers: dict[str, str]) -> RequestRecord:
+                      headers: dict[str, str], n_messages: int = 0) -> RequestRecord:
         scale = self.cfg.time_scale
         t_send = self._now()
         base: dict[str, Any] = {"session": session.id, "turn": i, "t_start_s": (t_send - self._t0) * scale,
                                 "trace_in_tokens": turn.in_tokens, "trace_out_tokens": turn.out_tokens,
                                 "agent": session.parent is not None}
-        parser = StreamParser()
+        parser = StreamParser(self.cfg.api)
         try:
-            req = self.client.build_request("POST", f"{self.base}/v1/chat/completions",
+            req = self.client.build_request("POST", self.base + API_PATHS[self.cfg.api],
                                             content=payload, headers=headers)
             resp = await self.client.send(req, stream=True)
             try:
@@ -288,6 +306,8 @@ class Driver:
         except httpx.HTTPError as e:
             return RequestRecord(**base, status=0, e2e_s=(self._now() - t_send) * scale,
                                  error=f"{type(e).__name__}: {e}"[:300])
+        if parser.response_id is not None:
+            self._chains[session.id] = (parser.response_id, n_messages)
         return build_record(base, parser, t_send, self._now(), scale, replica, self.cfg.keep_itl)
 
 

@@ -28,6 +28,10 @@ Message scheme (the text of block k is always in the same place). For a prompt o
   hashed).
 
 The chat template adds a few tokens per message (~1% at G = 16 blocks of 64 tokens).
+
+``request_body(api, ...)`` turns one turn's messages into the request of an API
+(``API_PATHS``: chat completions; Anthropic Messages, the system message as ``system``;
+OpenAI Responses, as ``instructions`` + ``input`` message items).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -144,3 +149,31 @@ class PromptRenderer:
         elif not out or out[-1]["role"] != "user":
             out.append({"role": "user", "content": "Continue."})
         return out
+
+
+API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+
+
+def request_body(api: str, model: str, messages: list[dict[str, str]], out_tokens: int,
+                 extra: dict[str, Any], previous: str | None = None) -> dict[str, Any]:
+    """One turn's streaming request body in ``api``'s shape (see the module docstring)."""
+    if api == "chat":
+        return {"model": model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                "max_tokens": out_tokens, "ignore_eos": True, **extra}
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    rest = messages[1:] if system is not None else messages
+    if api == "messages":
+        body: dict[str, Any] = {"model": model, "messages": rest, "max_tokens": out_tokens, "stream": True,
+                                "ignore_eos": True}
+        if system is not None:
+            body["system"] = system
+        return {**body, **extra}
+    if api != "responses":
+        raise ValueError(f"unknown api {api!r}; expected one of {tuple(API_PATHS)}")
+    items = [{"type": "message", "role": m["role"], "content": m["content"]} for m in rest]
+    body = {"model": model, "input": items, "max_output_tokens": out_tokens, "stream": True, "ignore_eos": True}
+    if system is not None:
+        body["instructions"] = system
+    if previous is not None:
+        body["previous_response_id"] = previous
+    return {**body, **extra}

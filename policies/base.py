@@ -28,7 +28,7 @@ class RequestContext:
     """Everything a policy may know about a request, built once by the gateway."""
 
     request_id: str
-    endpoint: str  # "chat" | "completions" | "generate"
+    endpoint: str  # "chat" | "completions" | "generate" | "messages" | "count_tokens" | "responses"
     model: str
     session: SessionKeys
     block_hashes: tuple[BlockHash, ...]  # chained prefix hashes, bounded count

@@ -1,4 +1,6 @@
-"""Generation routes of the simulated replica: chat, completions, /generate.
+"""Generation routes of the simulated replica: chat, completions, /generate, and the
+agents' APIs (Anthropic ``/v1/messages`` + ``count_tokens``, OpenAI ``/v1/responses`` +
+``GET``/``DELETE``/``cancel`` of a stored response; bodies and shapes in :mod:`.api_agents`).
 
 Each route turns its body into a :class:`~.intake.Job` (:mod:`.intake`) and hands it to
 :meth:`Generation.serve`, which applies fault injection and pause, submits the request to
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import orjson
@@ -25,13 +27,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from loadtest.simulator import intake, protocol, tokenizer
+from loadtest.simulator import api_choices, intake, protocol, tokenizer
+from loadtest.simulator.api_agents import MESSAGES, RESPONSES
+from loadtest.simulator.api_routes import AgentRoutes
 from loadtest.simulator.clock import RealtimeDriver
 from loadtest.simulator.engine import RequestResult, SimRequest
 from loadtest.simulator.faults import FaultPlan, Faults
 from loadtest.simulator.intake import CHAT, COMPLETION, GENERATE, Job
 from loadtest.simulator.metrics import RequestSample, SimMetrics
 from loadtest.simulator.profile import Profile
+from loadtest.simulator.requests import Listener
 
 
 class GenerationReplica(Protocol):
@@ -45,51 +50,6 @@ class GenerationReplica(Protocol):
     paused: bool
     resumed: asyncio.Event
 
-EOS_TOKEN_ID = 163586  # Kimi K2's <|im_end|>: the ``matched_stop`` of a natural stop
-Update = tuple[list[int], RequestResult | None]
-
-
-class Listener:
-    """Engine callbacks -> an asyncio queue of token batches, then the result."""
-
-    __slots__ = ("queue",)
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[list[int] | RequestResult] = asyncio.Queue()
-
-    def on_tokens(self, rid: str, token_ids: Sequence[int], now_s: float) -> None:
-        self.queue.put_nowait(list(token_ids))
-
-    def on_finish(self, result: RequestResult, now_s: float) -> None:
-        self.queue.put_nowait(result)
-
-    async def updates(self) -> AsyncIterator[Update]:
-        """Batches as they come; what queued up meanwhile is merged into one update."""
-        while True:
-            item = await self.queue.get()
-            tokens: list[int] = []
-            while True:
-                if isinstance(item, list):
-                    tokens.extend(item)
-                else:
-                    yield tokens, item
-                    return
-                if self.queue.empty():
-                    break
-                item = self.queue.get_nowait()
-            yield tokens, None
-
-    async def result(self) -> RequestResult:
-        while True:
-            item = await self.queue.get()
-            if not isinstance(item, list):
-                return item
-
-
-def _finish(r: RequestResult) -> protocol.Finish:
-    matched = EOS_TOKEN_ID if r.finish_reason == "stop" else None
-    return protocol.Finish(r.finish_reason, matched, r.prompt_tokens, r.completion_tokens,
-                           r.cached_tokens, r.cached_device, r.cached_host, r.spec_verify_ct)
 
 
 class Generation:
@@ -97,23 +57,25 @@ class Generation:
 
     def __init__(self, replica: GenerationReplica) -> None:
         self.r = replica
+        self.agents = AgentRoutes(self)
+        self.options: dict[str, api_choices.ChoiceOptions] = {}  # rid -> logprobs of a one-choice chat
 
-    def _limits(self) -> intake.Limits:
+    def limits(self) -> intake.Limits:
         return intake.Limits(self.r.profile.served_model_name, self.r.profile.context_length,
                              self.r.in_flight)
 
     async def chat(self, request: Request) -> Response:
         raw = await request.body()
         try:
-            job = intake.chat_job(request.headers.get("content-type", ""), raw, self._limits())
+            job = intake.chat_job(request.headers.get("content-type", ""), raw, self.limits())
         except intake.BadRequest as e:
             return _json(e.body, 400)
-        return await self.serve(request, job)
+        return await self.serve(request, job, api_choices.options(raw))
 
     async def completions(self, request: Request) -> Response:
         raw = await request.body()
         try:
-            job = intake.completion_job(request.headers.get("content-type", ""), raw, self._limits())
+            job = intake.completion_job(request.headers.get("content-type", ""), raw, self.limits())
         except intake.BadRequest as e:
             return _json(e.body, 400)
         return await self.serve(request, job)
@@ -121,13 +83,25 @@ class Generation:
     async def generate(self, request: Request) -> Response:
         raw = await request.body()
         try:
-            job = intake.generate_job(raw, self._limits())
+            job = intake.generate_job(raw, self.limits())
         except intake.BadRequest as e:
             return _json(e.body, 400)
         return await self.serve(request, job)
 
+    def cancel(self, rid: str) -> bool:
+        """Cancel a request still running; False when it is not (or no longer) running."""
+        stop = self.r.in_flight.get(rid)
+        if stop is None:
+            return False
+        stop()
+        return True
+
+    def cached_tokens(self, rid: str) -> int:
+        """Cached prompt tokens of a running request (0 once it has left the engine)."""
+        return self.r.driver.engine.cached_tokens(rid)
+
     # ---- the common path --------------------------------------------------------------
-    async def serve(self, request: Request, job: Job) -> Response:
+    async def serve(self, request: Request, job: Job, opts: api_choices.ChoiceOptions | None = None) -> Response:
         plan = self.r.faults.plan()
         if plan.latency_s:
             await asyncio.sleep(plan.latency_s)
@@ -140,6 +114,10 @@ class Generation:
             return Response(status_code=499)
         if self.r.paused:
             await self.r.resumed.wait()
+        if opts is not None and opts.n > 1:
+            return await self._many(request, job, opts, plan)
+        if opts is not None:
+            self.options[job.rid] = opts
         listener = Listener()
         self._submit(job, listener)
         if job.stream:
@@ -159,7 +137,9 @@ class Generation:
     def _done(self, job: Job, result: RequestResult | None) -> None:
         """Bookkeeping when a request leaves: in-flight set, metrics, abort if unfinished."""
         abort = self.r.in_flight.pop(job.rid, None)
+        self.options.pop(job.rid, None)
         if result is None:
+            self.agents.store.pending.pop(job.rid, None)
             if abort is not None:
                 abort()
             self.r.metrics.count_abort()
@@ -170,7 +150,38 @@ class Generation:
             result.cached_host, ttft, result.finish_s - result.arrival_s,
             result.finish_reason == "abort", result.spec_verify_ct))
 
+    async def _many(self, request: Request, job: Job, opts: api_choices.ChoiceOptions, plan: FaultPlan) -> Response:
+        """A chat request with ``n > 1`` choices (:mod:`.api_choices`)."""
+        jobs = api_choices.choice_jobs(job, opts.n)
+        listeners = [Listener() for _ in jobs]
+        for one, listener in zip(jobs, listeners, strict=True):
+            self._submit(one, listener)
+        if job.stream:
+            results: list[RequestResult | None] = [None] * len(jobs)
+            events = api_choices.many_events(jobs, listeners, opts, results, lambda j: protocol.stream_error(
+                self.refusal(j), "BadRequest", 400))
+            return StreamingResponse(self._guard_many(jobs, _with_faults(events, plan), results),
+                                     media_type="text/event-stream", headers=protocol.SSE_HEADERS)
+        got = await api_choices.first_of(asyncio.gather(*(lst.result() for lst in listeners)), _disconnected(request))
+        for k, one in enumerate(jobs):
+            self._done(one, got[k] if got else None)
+        if got is None:
+            return Response(status_code=499)
+        if any(protocol.refused(r) for r in got):
+            return _json(protocol.error_response(self.refusal(job)), 400)
+        return _json(api_choices.many_body(jobs, got, opts))
+
+    async def _guard_many(self, jobs: list[Job], events: AsyncIterator[bytes],
+                          results: list[RequestResult | None]) -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            for one, result in zip(jobs, results, strict=True):
+                self._done(one, result)
+
     async def _whole(self, request: Request, job: Job, listener: Listener) -> Response:
+        opts = self.options.get(job.rid)  # (``_done`` forgets it)
         waiter = asyncio.ensure_future(listener.result())
         gone = asyncio.ensure_future(_disconnected(request))
         result: RequestResult | None = None
@@ -184,20 +195,27 @@ class Generation:
             self._done(job, result)
         if result is None:
             return Response(status_code=499)
-        if _refused(result):
-            message = self._refusal(job)
+        if protocol.refused(result):
+            message = self.refusal(job)
             body = {"error": {"message": message}} if job.kind == GENERATE else protocol.error_response(message)
+            if job.kind in (MESSAGES, RESPONSES):
+                body = self.agents.refusal_body(job, message)
             return _json(body, 400)
         text = tokenizer.decode(result.output_ids)
-        f = _finish(result)
+        f = protocol.finish_of(result)
+        if job.kind in (MESSAGES, RESPONSES):
+            return self.agents.whole(job, text, f)
         if job.kind == CHAT:
-            return _json(protocol.chat_response(job.rid, job.created, job.model, text, f, job.sglext))
+            answer = protocol.chat_response(job.rid, job.created, job.model, text, f, job.sglext)
+            if opts is not None and opts.logprobs:
+                answer["choices"][0]["logprobs"] = api_choices.token_logprobs(result.output_ids, opts.top_logprobs)
+            return _json(answer)
         if job.kind == COMPLETION:
             return _json(protocol.completion_response(job.rid, job.created, job.model, text, f, job.sglext))
         return _json({"text": text, "output_ids": result.output_ids,
                       "meta_info": self._meta(job, f, result)})
 
-    def _refusal(self, job: Job) -> str:
+    def refusal(self, job: Job) -> str:
         p = self.r.profile
         return (f"The simulated engine refused the request: {len(job.prompt_ids)} prompt tokens + "
                 f"{job.max_new_tokens} max new tokens do not fit (context_length {p.context_length}, "
@@ -221,6 +239,10 @@ class Generation:
 
     async def _events(self, job: Job, listener: Listener,
                       box: list[RequestResult]) -> AsyncIterator[bytes]:
+        if job.kind in (MESSAGES, RESPONSES):
+            async for event in self.agents.events(job, listener, box):
+                yield event
+            return
         rid, created, model = job.rid, job.created, job.model
         started = False
         text = ""
@@ -229,16 +251,20 @@ class Generation:
             piece = tokenizer.decode(tokens) if tokens else ""
             if result is not None:
                 box.append(result)
-                if _refused(result):
-                    yield protocol.stream_error(self._refusal(job), "BadRequest", 400)
+                if protocol.refused(result):
+                    yield protocol.stream_error(self.refusal(job), "BadRequest", 400)
                     return
-            f = _finish(result) if result is not None else None
+            f = protocol.finish_of(result) if result is not None else None
             if job.kind == CHAT:
                 if not started and (tokens or f):
                     started = True
                     yield protocol.chat_first_chunk(rid, created, model)
                 if piece:
-                    yield protocol.chat_content_chunk(rid, created, model, piece)
+                    lp = None
+                    if (opts := self.options.get(rid)) is not None and opts.logprobs:
+                        lp = api_choices.token_logprobs(tokens, opts.top_logprobs, len(ids))
+                        ids.extend(tokens)
+                    yield protocol.chat_content_chunk(rid, created, model, piece, lp)
                 if f is not None:
                     for event in protocol.chat_tail(rid, created, model, f, job.sglext, job.include_usage):
                         yield event
@@ -262,12 +288,8 @@ class Generation:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/generate", self.generate, methods=["POST", "PUT"]),
+            *self.agents.routes(),
         ]
-
-
-def _refused(r: RequestResult) -> bool:
-    """Aborted before any output: the engine could not take it (too long for the pool)."""
-    return r.finish_reason == "abort" and r.completion_tokens == 0
 
 
 def generation_routes(replica: GenerationReplica) -> list[Route]:

@@ -22,7 +22,10 @@ from typing import Any
 
 import orjson
 
+from loadtest.simulator.requests import RequestResult
+
 DONE = b"data: [DONE]\n\n"
+EOS_TOKEN_ID = 163586  # Kimi K2's <|im_end|>: the ``matched_stop`` of a natural stop
 SSE_HEADERS = {"cache-control": "no-cache"}
 
 
@@ -38,6 +41,18 @@ class Finish:
     cached_device: int
     cached_host: int
     spec_verify_ct: int = 0
+
+
+def finish_of(r: RequestResult) -> Finish:
+    """An engine result in the terms the wire shapes need."""
+    matched = EOS_TOKEN_ID if r.finish_reason == "stop" else None
+    return Finish(r.finish_reason, matched, r.prompt_tokens, r.completion_tokens,
+                  r.cached_tokens, r.cached_device, r.cached_host, r.spec_verify_ct)
+
+
+def refused(r: RequestResult) -> bool:
+    """Aborted before any output: the engine could not take it (too long for the pool)."""
+    return r.finish_reason == "abort" and r.completion_tokens == 0
 
 
 def sse(obj: Any) -> bytes:
@@ -87,10 +102,11 @@ def chat_response(rid: str, created: int, model: str, text: str, f: Finish,
 
 
 def _chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any],
-                finish: str | None = None, matched: int | None = None) -> bytes:
+                finish: str | None = None, matched: int | None = None,
+                logprobs: dict[str, Any] | None = None) -> bytes:
     return sse({
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                      "finish_reason": finish, "matched_stop": matched}],
     })
 
@@ -100,8 +116,9 @@ def chat_first_chunk(rid: str, created: int, model: str) -> bytes:
     return _chat_chunk(rid, created, model, delta)
 
 
-def chat_content_chunk(rid: str, created: int, model: str, text: str) -> bytes:
-    return _chat_chunk(rid, created, model, {"reasoning_content": None, "content": text})
+def chat_content_chunk(rid: str, created: int, model: str, text: str,
+                       logprobs: dict[str, Any] | None = None) -> bytes:
+    return _chat_chunk(rid, created, model, {"reasoning_content": None, "content": text}, logprobs=logprobs)
 
 
 def chat_tail(rid: str, created: int, model: str, f: Finish, with_sglext: bool,

@@ -1,11 +1,15 @@
 """What a caller hands the simulated engine and gets back: a request, its result, a listener.
 
+``Listener`` is the asyncio side of a listener: engine callbacks land in a queue the
+HTTP routes read (``updates`` merges what queued up meanwhile into one update).
+
 Their own module so that the engine (``engine.py``) and its statistics (``stats.py``)
 both import them and not each other.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -53,3 +57,43 @@ class RequestListener(Protocol):
     def on_tokens(self, rid: str, token_ids: Sequence[int], now_s: float) -> None: ...
 
     def on_finish(self, result: RequestResult, now_s: float) -> None: ...
+
+
+Update = tuple[list[int], RequestResult | None]
+
+
+class Listener:
+    """Engine callbacks -> an asyncio queue of token batches, then the result."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[list[int] | RequestResult] = asyncio.Queue()
+
+    def on_tokens(self, rid: str, token_ids: Sequence[int], now_s: float) -> None:
+        self.queue.put_nowait(list(token_ids))
+
+    def on_finish(self, result: RequestResult, now_s: float) -> None:
+        self.queue.put_nowait(result)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Batches as they come; what queued up meanwhile is merged into one update."""
+        while True:
+            item = await self.queue.get()
+            tokens: list[int] = []
+            while True:
+                if isinstance(item, list):
+                    tokens.extend(item)
+                else:
+                    yield tokens, item
+                    return
+                if self.queue.empty():
+                    break
+                item = self.queue.get_nowait()
+            yield tokens, None
+
+    async def result(self) -> RequestResult:
+        while True:
+            item = await self.queue.get()
+            if not isinstance(item, list):
+                return item

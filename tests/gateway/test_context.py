@@ -195,3 +195,70 @@ def test_deep_nesting_is_a_400_beyond_the_limit_never_a_500(shape: list[int], wh
             build_context("chat", body, {}, "application/json", ContextConfig())
     else:
         assert build_context("chat", body, {}, "application/json", ContextConfig()).model == "m"
+
+
+# ---- the agents' APIs: Anthropic Messages, count_tokens, OpenAI Responses ---------------
+
+
+def message_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 5, "system": "s" * 600, "messages": [{"role": "user", "content": "x" * 600}],
+            **extra}
+
+
+def test_messages_context_hashes_like_the_same_chat() -> None:
+    ctx = ctx_of(message_body(stream=True), "messages", headers={"x-claude-code-session-id": "cc"})
+    assert (ctx.endpoint, ctx.model, ctx.stream, ctx.max_tokens, ctx.session.session) == ("messages", "m", True, 5, "cc")
+    same = ctx_of({"model": "m", "messages": [{"role": "system", "content": "s" * 600},
+                                              {"role": "user", "content": "x" * 600}]})
+    assert ctx.block_hashes == same.block_hashes and len(ctx.block_hashes) == 4
+    counted = ctx_of({k: v for k, v in message_body().items() if k != "max_tokens"}, "count_tokens")
+    assert counted.block_hashes == ctx.block_hashes and counted.max_tokens is None
+
+
+def test_responses_context() -> None:
+    ctx = ctx_of({"model": "m", "instructions": "s" * 600, "input": "x" * 600, "max_output_tokens": 9,
+                  "previous_response_id": "resp_1"}, "responses")
+    assert (ctx.endpoint, ctx.max_tokens) == ("responses", 9)
+    assert ctx.block_hashes == ctx_of(message_body(), "messages").block_hashes
+    assert ctx.payload is not None and ctx.payload["previous_response_id"] == "resp_1"
+
+
+@pytest.mark.parametrize(("endpoint", "body", "message"), [
+    ("messages", {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}, "model: Field required"),
+    ("messages", {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens: Field required"),
+    ("messages", {"model": "m", "max_tokens": 1}, "messages: Field required"),
+    ("messages", {"model": "m", "max_tokens": 1, "messages": {}}, "messages: Input should be a valid list"),
+    ("messages", {"model": "m", "max_tokens": 1, "messages": []}, "Messages cannot be empty."),
+    ("messages", {"model": "m", "max_tokens": 1, "messages": [{"role": "tool", "content": "x"}]}, "role"),
+    ("messages", {"model": "m", "max_tokens": 1, "messages": [{"role": "user"}]}, "content"),
+    ("messages", {"model": "m", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    ("messages", {**message_body(), "system": 3}, "system"),
+    ("messages", {**message_body(), "metadata": "u"}, "metadata"),
+    ("messages", {**message_body(), "stream": "yes"}, "stream"),
+    ("count_tokens", {"model": "m"}, "messages: Field required"),
+    ("responses", {"model": "m"}, "input: Field required"),
+    ("responses", {"input": "x"}, "model: Field required"),
+    ("responses", {"model": "m", "input": 3}, "input"),
+    ("responses", {"model": "m", "input": "x", "previous_response_id": "abc"}, "resp_"),
+    ("responses", {"model": "m", "input": "x", "instructions": 1}, "instructions"),
+    ("responses", {"model": "m", "input": "x", "max_output_tokens": -2}, "max_output_tokens"),
+    ("responses", {"model": "m", "input": [3]}, "input"),
+    ("responses", {"model": "m", "input": "x", "tools": {}}, "tools"),
+])
+def test_agent_api_validation(endpoint: str, body: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message.replace(".", r"\.")) as err:
+        ctx_of(body, endpoint)
+    assert err.value.status == 400
+    if endpoint != "responses":
+        assert err.value.body("anthropic")["error"]["type"] == "invalid_request_error"
+
+
+def test_agent_session_keys_from_the_body() -> None:
+    claude = ctx_of(message_body(metadata={"user_id": "user_abc_account_x_session_s1"}), "messages")
+    assert claude.session.session == "user:user_abc_account_x_session_s1"
+    headers_win = ctx_of(message_body(metadata={"user_id": "u"}), "messages", {"x-claude-code-session-id": "h"})
+    assert headers_win.session.session == "h"
+    codex = ctx_of({"model": "m", "input": "x", "prompt_cache_key": "conv-1", "user": "u"}, "responses")
+    assert codex.session.session == "user:conv-1"
+    assert ctx_of({"model": "m", "input": "x", "user": "u"}, "responses").session.session == "user:u"
+    assert ctx_of({"model": "m", "input": "x"}, "responses", {"session_id": "cx"}).session.session == "cx"

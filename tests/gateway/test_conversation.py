@@ -127,3 +127,48 @@ def test_bad_shapes_raise_value_error() -> None:
     with pytest.raises(ValueError):
         render_responses({"input": 3})
     assert render_chat([{"role": "user"}], tools="x").startswith("\x01tools\x02\x06<tool:")
+
+
+# ---- prefix chains through build_context: a Claude Code session over three APIs ---------
+
+
+def _hashes(endpoint: str, body: dict[str, Any]) -> tuple[int, ...]:
+    from gateway.context import ContextConfig, build_context
+
+    full = {"model": "kimi-k2", "max_tokens": 8, **body}
+    return build_context(endpoint, json.dumps(full).encode(), {}, "application/json", ContextConfig()).block_hashes
+
+
+def long_turns(n: int) -> list[dict[str, Any]]:
+    """Turns long enough to fill several 256-character blocks each."""
+    out = turns(n)
+    for t in out:
+        t["text"] = (t["text"] + " ") * 40
+    return out
+
+
+def test_claude_code_session_chains_grow_alike_over_every_api() -> None:
+    previous: tuple[int, ...] = ()
+    for n in range(6):
+        conv = long_turns(n)
+        chat = as_chat(conv)
+        chains = {_hashes("chat", chat), _hashes("messages", as_messages(conv)),
+                  _hashes("responses", as_responses(conv))}
+        assert len(chains) == 1  # the same blocks whichever API carried the turn
+        chain = chains.pop()
+        assert len(chain) > len(previous) and chain[:len(previous)] == previous  # turn T+1 extends turn T
+        previous = chain
+
+
+def test_claude_code_variants_render_alike() -> None:
+    """System string or blocks, content string or one text block, cache_control anywhere
+    (tools, system, the moving last-message marker), is_error on a tool result."""
+    base = as_messages(long_turns(2))
+    variant = json.loads(json.dumps(base))
+    variant["system"] = SYSTEM
+    variant["tools"][0]["cache_control"] = {"type": "ephemeral"}
+    variant["messages"][-1]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    variant["messages"][-1]["content"][0]["is_error"] = False
+    assert render_messages(base) == render_messages(variant)
+    text_block = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert render_messages(text_block) == render_messages({"messages": [{"role": "user", "content": "hi"}]})

@@ -34,12 +34,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
         yield f
 
 
-def _stream_after_sigterm(gw: Gateway, body: dict[str, object]) -> tuple[list[str], int, dict[str, object]]:
+def _stream_after_sigterm(gw: Gateway, body: dict[str, object],
+                          path: str = "/v1/chat/completions") -> tuple[list[str], int, dict[str, object]]:
     """Start a stream, SIGTERM the gateway after its first event, read to the end; also
     what /ready answered on a new connection right after the signal."""
     ready: dict[str, object] = {}
     with httpx.Client(timeout=30.0) as client, \
-            client.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
+            client.stream("POST", gw.url + path, json=body) as r:
         lines = r.iter_lines()
         events = [next(line for line in lines if line)]
         gw.proc.signal(signal.SIGTERM)
@@ -55,11 +56,11 @@ def _stream_after_sigterm(gw: Gateway, body: dict[str, object]) -> tuple[list[st
     return events, status, ready
 
 
-def _sigterm_during_stream(fleet: SimFleet, log: Path, grace_s: float,
-                           body: dict[str, object]) -> tuple[list[str], int, dict[str, object], str]:
+def _sigterm_during_stream(fleet: SimFleet, log: Path, grace_s: float, body: dict[str, object],
+                           path: str = "/v1/chat/completions") -> tuple[list[str], int, dict[str, object], str]:
     gw = start_gateway(fleet.urls, log, "--set", f"server.shutdown_grace_s={grace_s}")
     try:
-        events, ready_status, ready = _stream_after_sigterm(gw, body)
+        events, ready_status, ready = _stream_after_sigterm(gw, body, path)
         gw.proc.popen.wait(15.0)
     finally:
         gw.proc.stop()
@@ -73,6 +74,18 @@ def test_stream_longer_than_the_grace_ends_with_an_error_event(fleet: SimFleet, 
     last = json.loads(events[-2].removeprefix("data: "))
     assert last["error"]["type"] == "server_shutdown" and last["error"]["message"]
     assert 1 < len(events) < 2000 // 2  # cut well before its end
+    assert "cutting 1 request(s)" in log
+
+
+def test_anthropic_stream_cut_at_shutdown_ends_with_its_error_event(fleet: SimFleet, tmp_path: Path) -> None:
+    """A /v1/messages stream ends in Anthropic's grammar: ``event: error`` (overloaded)."""
+    body = {"model": "tiny", "max_tokens": 2000, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "tell me"}]}
+    events, _, _, log = _sigterm_during_stream(fleet, tmp_path / "gw.log", 1.5, body, "/v1/messages")
+    assert events[-2] == "event: error", events[-3:]
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["type"] == "error" and last["error"]["type"] == "overloaded_error", last
+    assert "data: [DONE]" not in events
     assert "cutting 1 request(s)" in log
 
 

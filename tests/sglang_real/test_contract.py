@@ -230,16 +230,12 @@ def test_tools_with_tool_choice_auto(urls: tuple[str, str]) -> None:
     assert_same_shape(real, sim)
 
 
-@pytest.mark.xfail(strict=True, reason="not yet matched: the simulator ignores n (one choice); "
-                                       "see loadtest/simulator/README.md")
 def test_n_choices(urls: tuple[str, str]) -> None:
     real, sim = both("POST", "/v1/chat/completions", *urls, json={**CHAT, "n": 2})
     assert len(real.json()["choices"]) == 2
     assert len(sim.json()["choices"]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="not yet matched: the simulator answers logprobs: null; "
-                                       "see loadtest/simulator/README.md")
 def test_logprobs(urls: tuple[str, str]) -> None:
     real, sim = both("POST", "/v1/chat/completions", *urls,
                      json={**CHAT, "logprobs": True, "top_logprobs": 2})

@@ -1,0 +1,262 @@
+"""The coding agents' endpoints beside the inference path: Responses ids, count_tokens, models.
+
+``POST /v1/messages`` and ``POST /v1/responses`` are inference endpoints like chat
+(``gateway.app.ENDPOINT_PATHS``: parsed once, routed, bodies passed through unchanged).
+This module adds what they need around them:
+
+- ``ResponsesApi.pin``: a Responses request naming ``previous_response_id`` goes to the
+  replica that created that response (``gateway.responses_store``); the proxy routes it
+  with every other replica excluded (reason ``previous-response``) and never retries it
+  elsewhere. An id the gateway never saw (or forgot), or whose replica has left the
+  fleet: 404 ``previous_response_not_found`` (OpenAI's shape, ``param:
+  previous_response_id``). Its replica still registered but not routable (unhealthy,
+  draining, ejected): 503 ``previous_response_replica_unavailable``. Never a silent
+  answer from a replica without that response.
+- ``ResponsesApi.record``: the id of every response created (a JSON body's ``id``, the
+  ``response.created`` event at the head of a stream) is stored with the replica.
+- ``GET``/``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: sent to that
+  replica as they are (404 as above when unknown); a successful DELETE forgets the id.
+- ``POST /v1/messages/count_tokens``: checked like a Messages body (Anthropic's error
+  shape), then sent to the least-loaded routable replica (the next one when a
+  connection fails). Nothing is recorded in the prefix index: nothing is cached.
+- ``GET /v1/models/{id}``: the model card the replicas reported, else 404 ``model_not_found``.
+- the app's error handlers (unknown route, wrong method, bugs): Anthropic's shape under
+  ``/v1/messages``, OpenAI's elsewhere.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol
+
+import httpx
+import orjson
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway.api_agents import previous_response_id
+from gateway.context import build_context
+from gateway.errors import GatewayError, InvalidRequest, NoReplicaAvailable, NotFound, UpstreamError
+from gateway.proxy import PINNED
+from gateway.relay import (
+    HeaderPolicy,
+    downstream_headers,
+    error_response,
+    route_headers,
+    upstream_headers,
+)
+from gateway.responses_store import MemoryResponsesStore, RedisResponsesStore
+from policies.base import RequestContext
+from prefix_index.base import ReplicaId
+from replicas.registry import Registry
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+
+
+
+class AgentGateway(Protocol):
+    """What these routes need of the app's ``gateway.app.Gateway`` (no import back)."""
+
+    settings: Settings
+    registry: Registry
+    client: httpx.AsyncClient
+    header_policy: HeaderPolicy
+    responses: ResponsesApi
+
+
+_CREATED_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]+)"')
+SNIFF_LIMIT = 256 * 1024  # a response.created event is found in the stream's first bytes
+
+
+class PreviousResponseNotFound(NotFound):
+    code = "previous_response_not_found"
+
+
+class PreviousResponseUnavailable(NoReplicaAvailable):
+    code = "previous_response_replica_unavailable"
+
+
+class ResponsesApi:
+    """Pins, records and control calls of Responses ids (see the module docstring)."""
+
+    def __init__(self, store: MemoryResponsesStore | RedisResponsesStore, registry: Registry,
+                 client: httpx.AsyncClient, header_policy: HeaderPolicy) -> None:
+        self.store = store
+        self.registry = registry
+        self.client = client
+        self.header_policy = header_policy
+
+    async def pin(self, ctx: RequestContext) -> ReplicaId | None:
+        """The replica a request must go to, None when it names no previous response."""
+        previous = previous_response_id(ctx.payload)
+        if previous is None:
+            return None
+        return await self._holder(previous, "previous_response_id", routable=True)
+
+    async def _holder(self, response_id: str, param: str, routable: bool) -> ReplicaId:
+        replica = await self.store.get(response_id)
+        view = next((v for v in self.registry.views() if v.id == replica), None)
+        if replica is None or view is None:
+            gone = "" if replica is None else f" (replica {replica}, which created it, has left the fleet)"
+            error: GatewayError = PreviousResponseNotFound(f"Response with id '{response_id}' not found{gone}.",
+                                                           param=param)
+            if param == "response_id":
+                error.code = "not_found"
+            raise error
+        if routable and not view.routable:
+            raise PreviousResponseUnavailable(
+                f"the replica holding response '{response_id}' ({replica}) is not available "
+                f"({view.state.value}); retry later", param=param)
+        return replica
+
+    async def record(self, response: Response) -> Response:
+        """Remember which replica created the response (buffered body or stream head)."""
+        replica = _replica_of(response)
+        if replica is None or response.status_code != 200:
+            return response
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._sniff(response.body_iterator, replica)  # type: ignore[arg-type]
+            return response
+        found = _CREATED_ID.search(bytes(response.body[:SNIFF_LIMIT]))
+        if found:
+            await self.store.put(found[1].decode(), replica)
+        return response
+
+    async def _sniff(self, chunks: AsyncIterator[bytes], replica: ReplicaId) -> AsyncIterator[bytes]:
+        head = b""
+        looking = True
+        async for chunk in chunks:
+            if looking:
+                head += chunk
+                if found := _CREATED_ID.search(head):
+                    await self.store.put(found[1].decode(), replica)  # before the client can chain on it
+                looking = not found and len(head) < SNIFF_LIMIT
+                if not looking:
+                    head = b""
+            yield chunk
+
+    async def control(self, request: Request) -> Response:
+        """GET/DELETE ``/v1/responses/{id}``, POST ``.../cancel``: on the id's replica."""
+        response_id = request.path_params["response_id"]
+        try:
+            replica = await self._holder(response_id, "response_id", routable=False)
+        except GatewayError as exc:
+            return error_response(exc, route_headers("none", PINNED), "responses")
+        client = request.client.host if request.client is not None else None
+        headers = upstream_headers(request.headers.raw, self.header_policy, client, request.url.scheme)
+        try:
+            answer = await self.client.request(request.method, f"{replica}{request.url.path}",
+                                               headers=headers, content=await request.body())
+        except httpx.HTTPError as exc:
+            return error_response(UpstreamError(f"replica {replica} failed ({type(exc).__name__})"),
+                                  route_headers(replica, PINNED), "responses")
+        if request.method == "DELETE" and answer.status_code == 200:
+            await self.store.delete(response_id)
+        return _relayed(answer, replica, PINNED)
+
+
+def _replica_of(response: Response) -> ReplicaId | None:
+    for name, value in response.raw_headers:
+        if name == b"x-kvgate-replica":
+            return ReplicaId(value.decode("latin-1"))
+    return None
+
+
+def _relayed(answer: httpx.Response, replica: str, reason: str) -> Response:
+    out = Response(answer.content, status_code=answer.status_code)
+    out.raw_headers = [*downstream_headers(answer.headers.raw),
+                       (b"content-length", b"%d" % len(answer.content)),
+                       (b"x-kvgate-replica", replica.encode("latin-1")),
+                       (b"x-kvgate-route-reason", reason.encode("latin-1"))]
+    return out
+
+
+async def count_tokens(gateway: AgentGateway, request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: checked, then answered by a routable replica."""
+    body = await request.body()
+    try:
+        build_context("count_tokens", body, request.headers, request.headers.get("content-type"),
+                      gateway.settings)
+    except GatewayError as exc:
+        return error_response(exc, route_headers("none", "rejected"), "count_tokens")
+    views = sorted((v for v in gateway.registry.views() if v.routable), key=lambda v: v.in_flight)
+    client = request.client.host if request.client is not None else None
+    headers = upstream_headers(request.headers.raw, gateway.header_policy, client, request.url.scheme)
+    for view in views:
+        try:
+            answer = await gateway.client.post(f"{view.id}/v1/messages/count_tokens", headers=headers,
+                                               content=body)
+        except httpx.ConnectError:
+            continue
+        except httpx.HTTPError as exc:
+            return error_response(UpstreamError(f"replica {view.id} failed ({type(exc).__name__})"),
+                                  route_headers(view.id, "count-tokens"), "count_tokens")
+        return _relayed(answer, view.id, "count-tokens")
+    return error_response(NoReplicaAvailable("no replica can count tokens"), route_headers("none", "no-replica"),
+                          "count_tokens")
+
+
+def model_card(gateway: AgentGateway, request: Request) -> Response:
+    """``GET /v1/models/{id}``: the card of a model some replica serves."""
+    name = request.path_params["model"]
+    card = next((c for c in gateway.registry.models() if c.get("id") == name), None)
+    if card is None:
+        error = NotFound(f"The model '{name}' does not exist", param="model", code="model_not_found")
+        return error_response(error, route_headers("none", "none"))
+    return Response(orjson.dumps(card), media_type="application/json")
+
+
+def install_agent_routes(app: FastAPI, gw: Callable[[Request], AgentGateway]) -> None:
+    """The routes above (the inference ones are ``gateway.app``'s)."""
+    async def control(request: Request) -> Response:
+        return await gw(request).responses.control(request)
+
+    async def tokens(request: Request) -> Response:
+        return await count_tokens(gw(request), request)
+
+    async def model(request: Request) -> Response:
+        return model_card(gw(request), request)
+
+    app.add_route("/v1/messages/count_tokens", tokens, methods=["POST"], include_in_schema=False)
+    app.add_route("/v1/responses/{response_id}", control, methods=["GET", "DELETE"], include_in_schema=False)
+    app.add_route("/v1/responses/{response_id}/cancel", control, methods=["POST"],
+                  include_in_schema=False)
+    app.add_route("/v1/models/{model:path}", model, methods=["GET"], include_in_schema=False)
+
+
+def _api(request: Request) -> str:
+    """The endpoint whose error shape a request gets (Anthropic's under /v1/messages)."""
+    return "messages" if request.url.path.startswith("/v1/messages") else "chat"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Errors outside the inference path (unknown route, wrong method, bugs), in the
+    shape of the API the path belongs to."""
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> Response:
+        return error_response(exc, api=_api(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        error: GatewayError = NotFound(f"no route {request.method} {request.url.path}")
+        if exc.status_code != 404:
+            error = GatewayError(str(exc.detail))
+            error.status = exc.status_code
+            error.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return error_response(error, api=_api(request))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # reached only through Starlette's ServerErrorMiddleware, which logs the traceback
+        return error_response(GatewayError(f"internal gateway error ({type(exc).__name__})"), api=_api(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return error_response(InvalidRequest(f"invalid request: {first.get('msg', exc)}", param=param),
+                              api=_api(request))
