@@ -24,7 +24,10 @@ hand both to ``gateway.proxy.Proxy``. While the request waits for its first byte
 a buffered body), a watcher listens for the client leaving: the handler is then
 cancelled, the upstream request closed (SGLang aborts it), and the request counted as
 status 499, logged at INFO at most; a client that leaves during the upload is a 499 too.
-Errors are OpenAI-shaped (``gateway.errors``).
+Errors are in the shape of the request's API (``gateway.errors``: Anthropic's for
+``/v1/messages``, OpenAI's otherwise). ``/v1/messages`` and ``/v1/responses`` are
+inference endpoints like chat; the Responses id pin and record, count_tokens and
+``/v1/models/{id}`` are ``gateway.api_routes``.
 """
 from __future__ import annotations
 
@@ -37,18 +40,18 @@ from contextlib import asynccontextmanager
 import httpx
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway import admin
+from gateway.api_routes import ResponsesApi, install_agent_routes, install_error_handlers
 from gateway.context import build_context
-from gateway.errors import GatewayError, InvalidRequest, NotFound, PayloadTooLarge
+from gateway.errors import GatewayError, PayloadTooLarge
+from gateway.kv_wiring import attach_precise
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_document
-from gateway.proxy import CLIENT_CLOSED, Proxy
+from gateway.proxy import CLIENT_CLOSED, PINNED, Proxy
 from gateway.relay import (
     HeaderPolicy,
     RelayResponse,
@@ -57,6 +60,7 @@ from gateway.relay import (
     route_headers,
     upstream_headers,
 )
+from gateway.responses_store import make_responses_store
 from gateway.router import LOCAL_SESSIONS, FleetListener, Router
 from gateway.scaling import ScaleLoop, make_annotator
 from gateway.settings import Settings
@@ -71,7 +75,8 @@ from replicas.shared_state import SharedState
 
 log = logging.getLogger("kvgate.app")
 
-ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
+ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate",
+                  "messages": "/v1/messages", "responses": "/v1/responses"}
 
 
 def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
@@ -137,9 +142,14 @@ class Gateway:
         self.proxy = Proxy(settings.upstream, upstream or HttpxUpstream(client), self.router, registry,
                            self.metrics, self.hits, shared_state=shared_state)
         self.header_policy = HeaderPolicy.from_config(settings.upstream)
+        index_cfg = settings.index
+        store = make_responses_store(settings.responses, index_cfg.redis_url, index_cfg.key_prefix)
+        self.responses = ResponsesApi(store, registry, client, self.header_policy)
         hashing = settings.hashing
         self.fleet = FleetListener(index, policy, hashing.block_chars / hashing.chars_per_token)
         registry.add_listener(self.fleet)
+        # precise mode: KV-event subscribers for the replicas that publish them (None: off)
+        self.precise = attach_precise(settings.index, client, registry, self.router, self.metrics)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -155,9 +165,12 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.scaling.close()
         await self.registry.stop()
+        if self.precise is not None:
+            await self.precise.close()
         await self.fleet.close()
         await self.index.close()
         await self.proxy.close()
+        await self.responses.store.close()
         await self.client.aclose()
 
     def request_done(self, endpoint: str, status: int, started_s: float) -> None:
@@ -171,14 +184,21 @@ class Gateway:
             headers = request.headers
             ctx = build_context(endpoint, body, headers, headers.get("content-type"), self.settings)
         except GatewayError as exc:
-            return self._answered(endpoint, error_response(exc, route_headers("none", "rejected")), started_s)
+            return self._answered(endpoint, error_response(exc, route_headers("none", "rejected"), endpoint),
+                                  started_s)
         except ClientDisconnect:
             log.info("client left during the upload of a %s request", endpoint)
             return self._answered(endpoint, Response(status_code=CLIENT_CLOSED), started_s)
+        try:
+            pin = await self.responses.pin(ctx) if endpoint == "responses" else None
+        except GatewayError as exc:
+            return self._answered(endpoint, error_response(exc, route_headers("none", PINNED), endpoint), started_s)
         client = request.client.host if request.client is not None else None
         out_headers = upstream_headers(headers.raw, self.header_policy, client, request.url.scheme)
         response = await self._until_client_leaves(
-            request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s))
+            request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s, pin))
+        if response is not None and endpoint == "responses":
+            response = await self.responses.record(response)
         if response is None:
             log.info("client left before the answer of request %s", ctx.request_id)
             response = Response(status_code=CLIENT_CLOSED)
@@ -261,6 +281,8 @@ def _install_routes(app: FastAPI) -> None:
     async def models(request: Request) -> Response:
         return json_response({"object": "list", "data": gw(request).registry.models()})
 
+    install_agent_routes(app, gw)  # count_tokens, /v1/responses/{id}[/cancel], /v1/models/{id}
+
     @app.get("/health")
     async def health() -> Response:
         return json_response({"status": "ok"})
@@ -283,32 +305,6 @@ def _install_routes(app: FastAPI) -> None:
         return Response(document, media_type="application/json")
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(GatewayError)
-    async def gateway_error(request: Request, exc: GatewayError) -> Response:
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        error: GatewayError = NotFound(f"no route {request.method} {request.url.path}")
-        if exc.status_code != 404:
-            error = GatewayError(str(exc.detail))
-            error.status = exc.status_code
-            error.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return error_response(error)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        # reached only through Starlette's ServerErrorMiddleware, which logs the traceback
-        return error_response(GatewayError(f"internal gateway error ({type(exc).__name__})"))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return error_response(InvalidRequest(f"invalid request: {first.get('msg', exc)}", param=param))
-
-
 def create_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The gateway app; ``transport`` (tests only) replaces the network to the replicas."""
     @asynccontextmanager
@@ -325,6 +321,6 @@ def create_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = 
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _install_routes(app)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.include_router(admin.router)
     return app

@@ -26,6 +26,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # seconds; spans fast cache hits to long prefills of huge prompts
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
+# predicted minus reported cached tokens (precise mode aims at |error| < one page)
+PREDICTION_ERROR_BUCKETS = (-65536, -16384, -4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096,
+                            16384, 65536)
+KV_EVENT_OUTCOMES = ("gap", "healed", "lost", "restart", "cleared", "decode_error")
 DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 HIT_RATIO_WINDOW = 256  # requests in the "recent" cache hit ratio
 # causes of kvgate_upstream_retries_total (gateway/proxy.py's table); children made up front
@@ -119,6 +123,23 @@ class GatewayMetrics:
         self.session_table_evictions = Counter(
             "kvgate_session_table_evictions", "Sessions evicted from the session table by its size bound",
             registry=r)
+        # precise mode (issue 13): KV events and how well the index predicts cached tokens
+        self.prediction_error = Histogram(
+            "kvgate_prediction_error_tokens", "Predicted minus reported cached tokens of the chosen replica, per "
+            "request, by index mode (precise: from the replica's KV events)", ["mode"],
+            buckets=PREDICTION_ERROR_BUCKETS, registry=r)
+        self.kv_events_applied = Counter("kvgate_kv_events_applied", "KV events applied to the precise index",
+                                         ["replica"], registry=r)
+        self.kv_event_streams = Counter(
+            "kvgate_kv_event_streams", "KV event stream incidents by outcome (gap: batches missed; healed: "
+            "replayed; lost: not replayable, replica uncertain; restart; cleared: AllBlocksCleared; "
+            "decode_error)", ["outcome"], registry=r)
+        for outcome in KV_EVENT_OUTCOMES:
+            self.kv_event_streams.labels(outcome)
+        self.precise_replicas = Gauge("kvgate_precise_replicas",
+                                      "Replicas matched from their KV events, by state (precise, uncertain)",
+                                      ["state"], registry=r)
+        self._prediction_errors = {mode: self.prediction_error.labels(mode) for mode in ("precise", "approximate")}
         self._hits: deque[tuple[int, int]] = deque(maxlen=HIT_RATIO_WINDOW)
         self._hit_sums = [0, 0]  # cached, prompt over the window
         self._seen: dict[str, float] = {}
@@ -136,6 +157,13 @@ class GatewayMetrics:
                                           self.duration.labels(endpoint))
         children[0].inc()
         children[1].observe(duration_s)
+
+    def prediction(self, mode: str, predicted_cached_tokens: int, reported_cached_tokens: int) -> None:
+        """One request's prediction error (``mode``: "precise" or "approximate")."""
+        self._prediction_errors[mode].observe(predicted_cached_tokens - reported_cached_tokens)
+
+    def kv_stream(self, outcome: str, n: int = 1) -> None:
+        self.kv_event_streams.labels(outcome).inc(n)
 
     def routed(self, policy: str, reason: str, predicted_cached_tokens: int) -> None:
         child = self._decisions.get((policy, reason))

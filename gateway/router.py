@@ -17,6 +17,15 @@ read is replaced by an empty answer (no prefix match), the failed write is dropp
 (updated on every routed and completed request), so an index that raises keeps session
 affinity. (The Redis backend does not raise: it answers from its local copy, which also
 holds the other gateways' sessions, ``prefix_index/redis_sessions.py``.)
+
+Precise mode (``gateway.kv_wiring``, set as ``Router.precise``): for the replicas that
+publish KV events, ``snapshot`` replaces the approximate matches with the event index's
+exact ones, in tokens (``policies.routing.merge_matches``), and the policy decides over a
+token-unit context (``token_context``: the exact prompt length), so the decision's
+``predicted_cached_tokens`` (the ``x-kvgate-expected-cached-tokens`` header) is exact for
+them. The hooks keep the request's own context (the approximate chain is still recorded:
+it is the fallback when a replica's stream becomes uncertain). ``completed`` observes the
+prediction error (predicted minus reported cached tokens) per mode.
 """
 from __future__ import annotations
 
@@ -25,12 +34,13 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Protocol, TypeVar
 
 from gateway.metrics import GatewayMetrics
 from policies.base import Decision, Outcome, Policy, RequestContext, RoutingInputs
-from policies.routing import RoutingCore
+from policies.routing import RoutingCore, merge_matches, token_context
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
 from prefix_index.session_table import SessionTable
 from replicas.model import ReplicaState, ReplicaView
@@ -43,6 +53,21 @@ LOCAL_SESSIONS = 100_000
 active within the last hour of a gateway serving ~30 new sessions a second. The table is
 the embedded index's own (``prefix_index.session_table.SessionTable``), without expiry:
 least recently set evicted beyond the bound."""
+PRECISE_PENDING = 65_536  # requests between snapshot and completion whose token context is kept
+
+
+class PreciseResult(Protocol):
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def matches(self) -> Mapping[ReplicaId, PrefixMatch]: ...
+
+
+class PreciseLookup(Protocol):
+    """``gateway.kv_wiring.PreciseMode``: exact matches, in tokens, for replicas with KV events."""
+
+    def lookup(self, ctx: RequestContext, replicas: Sequence[ReplicaId]) -> PreciseResult | None: ...
 
 
 class Router:
@@ -64,6 +89,11 @@ class Router:
         self.core = RoutingCore(policy, rng)  # the resident window is the policy's
         self.clock = clock
         self.sessions = SessionTable(math.inf, clock, max_sessions=local_sessions)
+        self.precise: PreciseLookup | None = None
+        # id(request context) -> (that context, its token-unit context, the replicas matched
+        # precisely). Keyed by the object, not the request id a client may repeat; the entry
+        # holds the context, so its id cannot be reused while the entry lives.
+        self._precise: OrderedDict[int, tuple[RequestContext, RequestContext, frozenset[ReplicaId]]] = OrderedDict()
 
     async def _guarded(self, what: str, call: Awaitable[T], fallback: T) -> T:
         try:
@@ -106,7 +136,25 @@ class Router:
         )
         if fresh is None:
             core.store_resident(now_s, resident)
-        return core.inputs(ctx, tuple(self._views()), matches, session, parent, now_s)
+        merged = self._precise_matches(ctx, ids, matches) if self.precise is not None else matches
+        return core.inputs(ctx, tuple(self._views()), merged, session, parent, now_s)
+
+    def _precise_matches(self, ctx: RequestContext, ids: Sequence[ReplicaId],
+                         approx: Mapping[ReplicaId, PrefixMatch]) -> Mapping[ReplicaId, PrefixMatch]:
+        """Exact matches for the replicas with events (the decision then runs in tokens)."""
+        assert self.precise is not None
+        try:
+            answer = self.precise.lookup(ctx, ids)
+        except Exception as exc:  # noqa: BLE001 - a precise-mode bug degrades to approximate routing
+            self.metrics.index_degraded.inc()
+            log.warning("precise lookup failed (%s: %s); routing approximately", type(exc).__name__, exc)
+            return approx
+        if answer is None or not answer.matches:
+            return approx
+        self._precise[id(ctx)] = (ctx, token_context(ctx, answer.prompt_tokens), frozenset(answer.matches))
+        while len(self._precise) > PRECISE_PENDING:
+            self._precise.popitem(last=False)
+        return merge_matches(approx, answer.matches, approx_block_tokens=ctx.block_tokens)
 
     async def _session(self, key: str | None) -> SessionEntry | None:
         """The index's entry for the session; this router's own if the index fails."""
@@ -118,7 +166,8 @@ class Router:
         self, ctx: RequestContext, inputs: RoutingInputs, exclude: frozenset[ReplicaId] = frozenset()
     ) -> Decision:
         """The policy's choice among replicas not in ``exclude``; raises NoRoutableReplica."""
-        decision = self.core.decide(ctx, inputs, exclude)
+        precise = self._precise.get(id(ctx))
+        decision = self.core.decide(precise[1] if precise is not None else ctx, inputs, exclude)
         self.metrics.routed(decision.policy, decision.reason, decision.predicted_cached_tokens)
         return decision
 
@@ -131,7 +180,15 @@ class Router:
             self.sessions.set(ctx.session.session, SessionEntry(decision.replica, tokens, now_s))
         await self._hook("on_routed", self.policy.on_routed(ctx, decision, self.index, now_s))
 
+    def forget(self, ctx: RequestContext) -> None:
+        """The request ends without ``completed`` (not routable): drop its precise context."""
+        self._precise.pop(id(ctx), None)
+
     async def completed(self, ctx: RequestContext, decision: Decision, outcome: Outcome) -> None:
+        precise = self._precise.pop(id(ctx), None)
+        if outcome.cached_tokens is not None:
+            mode = "precise" if precise is not None and decision.replica in precise[2] else "approximate"
+            self.metrics.prediction(mode, decision.predicted_cached_tokens, outcome.cached_tokens)
         key = ctx.session.session
         mine = self.sessions.get(key) if key is not None else None
         if key is not None and outcome.ok and outcome.prompt_tokens is not None and (

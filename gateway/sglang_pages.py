@@ -68,6 +68,8 @@ class PageHasher:
     digest: bytes = b""
     hashes: list[int] = field(default_factory=list)
     _tail: list[int] = field(default_factory=list)  # tokens not yet in a full page (+1 for bigrams)
+    checkpoint_every: int = 0  # > 0: keep every n-th page's digest (``checkpoints``) to resume from
+    checkpoints: list[bytes] = field(default_factory=list)  # digest after pages n, 2n, ...
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -77,6 +79,17 @@ class PageHasher:
     def pending_tokens(self) -> int:
         """Tokens after the last full page (for bigrams: including the one the next pair starts with)."""
         return len(self._tail)
+
+    @classmethod
+    def resume(cls, page_size: int, bigram: bool, hashes: list[int], checkpoints: list[bytes],
+               tail: Sequence[int], checkpoint_every: int) -> PageHasher:
+        """Continue a chain from a checkpoint: ``hashes`` are its first pages (exactly
+        ``len(checkpoints) * checkpoint_every``), ``checkpoints`` their kept digests, ``tail``
+        the tokens after the last of those pages (for bigrams: from that page's last token)."""
+        if len(hashes) != len(checkpoints) * checkpoint_every:
+            raise ValueError("resume from a checkpoint: hashes must end at one")
+        digest = checkpoints[-1] if checkpoints else b""
+        return cls(page_size, bigram, digest, list(hashes), list(tail), checkpoint_every, list(checkpoints))
 
     def pending_bytes(self) -> bytes:
         return _key_bytes(self._tail, self.bigram)
@@ -95,6 +108,8 @@ class PageHasher:
             d = hashlib.sha256(self.digest + chunk).digest()
             self.digest = d
             new.append(to_int64(d))
+            if self.checkpoint_every and (len(self.hashes) + len(new)) % self.checkpoint_every == 0:
+                self.checkpoints.append(d)
             start += step
         self._tail = tail[start:]
         self.hashes += new

@@ -7,6 +7,14 @@ possible): ``build_context`` p50/p99 wall and CPU, and its parts (orjson parse, 
 hash).
 
     python -m loadtest.bench_hashing [--kb 400] [--iterations 500]
+    kvgate bench hashing --precise [--tokenizer-dir DIR] [--page-sizes 1,64] [--iterations 200]
+
+``--precise`` measures precise mode's request path instead (issue 13): the chat template,
+the tokenizer (the model's ``tokenizer.json``; default: the real SGLang CPU test model when
+it is cached), SGLang page hashes and the event-index match over 8 replicas, per request,
+for a *first turn* (nothing cached: the whole body tokenized and hashed) and a *later turn*
+(the session's previous turn, 3 messages shorter, cached: only the new messages are
+tokenized and hashed).
 """
 from __future__ import annotations
 
@@ -70,11 +78,16 @@ def _line(name: str, wall: list[float], cpu: list[float]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kb", type=int, default=400, help="body size in KB")
     parser.add_argument("--iterations", type=int, default=500)
+    parser.add_argument("--precise", action="store_true", help="precise mode: tokenize + page-hash cost")
+    parser.add_argument("--tokenizer-dir", default=None, help="--precise: a model dir with tokenizer.json")
+    parser.add_argument("--page-sizes", default="1,64", help="--precise: SGLang page sizes to measure")
 
 
 def run(args: argparse.Namespace) -> int:
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, {0})  # one core
+    if args.precise:
+        return run_precise(args, make_body(args.kb))
     body = make_body(args.kb)
     cfg = ContextConfig()
     headers = {"x-claude-code-session-id": "bench"}
@@ -90,6 +103,70 @@ def run(args: argparse.Namespace) -> int:
     print(_line("  render", *_measure(lambda: conversation.render_chat(data["messages"], data["tools"]).encode(), n)))
     print(_line("  hash chain", *_measure(lambda: prefix_hash.chain_hashes(raw, "qwen3-coder", 256, 8192), n)))
     return 0
+
+
+def _default_tokenizer_dir() -> str | None:
+    from loadtest.sglang_cpu.env import cache_dir
+
+    found = sorted(cache_dir().glob("sglang-cpu-*/models/*/tokenizer.json"))
+    return str(found[-1].parent) if found else None
+
+
+def run_precise(args: argparse.Namespace, body: bytes) -> int:
+    """Precise mode's per-request CPU: render + tokenize + page-hash + match, first and later turns."""
+    from gateway.precise_tokens import ModelTokenizer, SessionHasher
+    from prefix_index.base import ReplicaId
+    from prefix_index.precise import EventBlockIndex
+
+    directory = args.tokenizer_dir or _default_tokenizer_dir()
+    if directory is None:
+        print("no tokenizer: pass --tokenizer-dir (a model dir with tokenizer.json)")
+        return 2
+    tok = ModelTokenizer.from_dir(directory)
+    data = orjson.loads(body)
+    earlier = {**data, "messages": data["messages"][:-3]}
+    replicas = [ReplicaId(f"http://r{i}:1") for i in range(8)]
+    n = args.iterations
+    for page in (int(p) for p in args.page_sizes.split(",")):
+        segments = tok.prompt_segments("chat", data) or []
+        hashes = SessionHasher(page).hash(segments, None).hashes
+        index = EventBlockIndex()
+        for i, r in enumerate(replicas):
+            index.stored(r, hashes[: len(hashes) * (i + 1) // 8], "GPU")
+
+        def request(hasher: SessionHasher, payload: dict[str, Any] = data, index: EventBlockIndex = index) -> None:
+            prompt = hasher.hash(tok.prompt_segments("chat", payload) or [], "bench")
+            index.match(prompt.hashes, replicas)
+
+        def first(page: int = page) -> tuple[SessionHasher]:
+            tok._cache.clear()
+            tok._cache_tokens = 0
+            return (SessionHasher(page),)
+
+        def later(first: Callable[[], tuple[SessionHasher]] = first) -> tuple[SessionHasher]:
+            (hasher,) = first()
+            request(hasher, earlier)
+            return (hasher,)
+
+        tokens = sum(len(s.ids) for s in segments)
+        print(f"precise, page {page}: {len(body):,} bytes, {tokens:,} tokens, {len(hashes):,} pages, "
+              f"8 replicas; {n} samples each; tokenizer {directory}")
+        print(_line("first turn", *_measure_setup(first, request, n)))
+        print(_line("later turn", *_measure_setup(later, request, n)))
+    return 0
+
+
+def _measure_setup(setup: Callable[[], tuple[Any, ...]], fn: Callable[..., object], n: int
+                   ) -> tuple[list[float], list[float]]:
+    """Like ``_measure``, with an untimed ``setup`` before each timed ``fn(*setup())``."""
+    wall, cpu = [], []
+    for _ in range(n):
+        state = setup()
+        t, c = time.perf_counter(), time.process_time()
+        fn(*state)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return sorted(wall), sorted(cpu)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

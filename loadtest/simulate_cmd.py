@@ -9,6 +9,11 @@ See loadtest/fleetsim/README.md.
 
     kvgate simulate --trace ../shared/traces/claude-code --replicas 8 \\
         --profile kimi-k2.6-b200-tp8 --policy cache-aware,round-robin,least-load
+    kvgate simulate --trace ../shared/traces/mooncake --policy cache-aware --index approximate,precise
+
+``--index precise`` matches each replica from its engine's KV events (the gateway's
+precise mode, `loadtest.fleetsim.precise`); ``approximate`` (the default) is the
+gateway's prediction from its own decisions; a comma list runs each policy in each mode.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from rich.console import Console
 
 from loadtest.fleetsim.capacity import add_capacity_arguments, run_capacity
 from loadtest.fleetsim.metrics import oracle_summary
+from loadtest.fleetsim.precise import INDEX_MODES
 from loadtest.fleetsim.run import SimConfig, run_policy
 from loadtest.fleetsim.sessions import Pacing
 from loadtest.fleetsim.table import results_table
@@ -64,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the profile's context length (longer prompts are rejected)")
     p.add_argument("--synthetic-scale", type=float, default=1.0,
                    help="--trace synthetic: multiply every token size (e.g. 0.02 for the tiny profile)")
+    p.add_argument("--index", default="approximate", metavar="MODE[,MODE]",
+                   help="prefix index mode(s): approximate (own decisions) or precise (the replicas' KV events)")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results JSON here")
     p.add_argument("--quiet", action="store_true", help="no table")
     add_capacity_arguments(p)
@@ -93,6 +101,14 @@ def policy_names(spec: str) -> list[str]:
     return names
 
 
+def index_modes(spec: str) -> list[str]:
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in INDEX_MODES]
+    if unknown or not modes:
+        raise SystemExit(f"kvgate simulate: unknown --index {unknown}; known: {', '.join(INDEX_MODES)}")
+    return modes
+
+
 def make_config(args: argparse.Namespace) -> SimConfig:
     profile = load_profile(args.profile)
     if args.context_length is not None:
@@ -111,7 +127,8 @@ def make_config(args: argparse.Namespace) -> SimConfig:
     return SimConfig(profile=profile, replicas=args.replicas,
                      gpus_per_replica=args.gpus_per_replica or profile.tp_size or 8, pacing=pacing,
                      seed=args.seed, max_requests=args.max_requests, sim_duration_s=args.sim_duration_s,
-                     loads_poll_interval_s=args.loads_poll_s, policy_params=params)
+                     loads_poll_interval_s=args.loads_poll_s, policy_params=params,
+                     index_mode=index_modes(getattr(args, "index", "approximate"))[0])
 
 
 def config_dict(args: argparse.Namespace, cfg: SimConfig, workload: Workload) -> dict[str, Any]:
@@ -122,7 +139,7 @@ def config_dict(args: argparse.Namespace, cfg: SimConfig, workload: Workload) ->
             "gpus_per_replica": cfg.gpus_per_replica, "pacing": dataclasses.asdict(cfg.pacing),
             "open_loop": workload.open_loop, "seed": cfg.seed, "max_requests": cfg.max_requests,
             "sim_duration_s": cfg.sim_duration_s, "loads_poll_interval_s": cfg.loads_poll_interval_s,
-            "policy_params": dict(cfg.policy_params)}
+            "policy_params": dict(cfg.policy_params), "index": getattr(args, "index", "approximate")}
 
 
 def progress_line(s: dict[str, Any]) -> str:
@@ -135,6 +152,7 @@ def progress_line(s: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     names = policy_names(args.policy)
+    modes = index_modes(args.index)
     console = Console(stderr=True)
     t0 = time.perf_counter()
     report = LoadReport()
@@ -148,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     oracle: dict[str, Any] = {}
     config = {**config_dict(args, cfg, workload), "trace_entries": report.as_dict()}
-    for name in names:
-        res = run_policy(workload, name, cfg)
+    for name, mode in [(n, m) for n in names for m in modes]:
+        res = run_policy(workload, name, dataclasses.replace(cfg, index_mode=mode))
         results.append(res.summary)
         oracle = oracle or oracle_summary(res.records, cfg.profile.prefill_tokens_per_s)
         console.print(progress_line(res.summary))

@@ -20,6 +20,14 @@ working set (``store_resident``); then:
 
 The resident set is a sum over live sessions that changes slowly: it is re-read at most
 every ``resident_cache_s`` (1 s) and patched by ``account`` in between.
+
+Precise mode (issue 13): replicas that publish KV events are matched exactly, in tokens,
+from ``prefix_index.precise.EventBlockIndex`` (``to_prefix_match(..., block_tokens=1)``);
+the others keep the approximate index's block matches. ``merge_matches`` puts both in
+one unit (tokens) and ``token_context`` gives the policy a context in that unit (block
+of 1 token, the exact prompt length), so the policy's ``predicted_cached_tokens`` is
+exact for precise replicas and unchanged for approximate ones. The gateway's router and
+the fleet simulation both call these two before ``inputs``/``decide``.
 """
 from __future__ import annotations
 
@@ -33,6 +41,30 @@ from replicas.model import ReplicaView
 
 NO_MATCH = PrefixMatch()
 RESIDENT_CACHE_S = 1.0
+
+
+def merge_matches(approx: Mapping[ReplicaId, PrefixMatch], precise: Mapping[ReplicaId, PrefixMatch], *,
+                  approx_block_tokens: int = 1) -> dict[ReplicaId, PrefixMatch]:
+    """One match per replica: ``precise``'s where it has one, else ``approx``'s.
+
+    ``approx`` counts blocks of ``approx_block_tokens`` tokens (the request's
+    ``ctx.block_tokens``); they are scaled to the unit of ``precise`` (tokens, when it
+    comes from ``to_prefix_match(..., block_tokens=1)``). A replica in ``precise`` is
+    answered by it even when it matched nothing (the events say it holds nothing):
+    callers leave uncertain replicas out of ``precise`` so they fall back to ``approx``.
+    Pure.
+    """
+    scale = max(approx_block_tokens, 1)
+    out = {r: PrefixMatch(m.device_blocks * scale, m.host_blocks * scale) for r, m in approx.items()}
+    out.update(precise)
+    return out
+
+
+def token_context(ctx: RequestContext, prompt_tokens: int) -> RequestContext:
+    """``ctx`` in token units, for deciding over ``merge_matches`` output: a block is one
+    token and the prompt is its exact token count. Pure; the original ``ctx`` (with its
+    approximate block chain) stays the one given to the hooks."""
+    return dataclasses.replace(ctx, block_tokens=1, est_prompt_tokens=max(prompt_tokens, 0))
 
 
 class RoutingCore:

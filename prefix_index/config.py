@@ -10,7 +10,31 @@ from pydantic import BaseModel, Field
 
 
 class IndexConfig(BaseModel):
-    backend: Literal["memory", "redis"] = "memory"
+    backend: Literal["memory", "compact", "redis"] = Field(
+        default="memory",
+        description=(
+            "memory: the embedded index; compact: the embedded index in flat arrays (hash -> replica "
+            "bitmask with tier bits: ~17.5 B per block, a lookup that does not walk every replica; for "
+            "fleets of 64+ replicas, see docs/results-cost.md); redis: shared by several gateways"
+        ),
+    )
+    mode: Literal["auto", "approximate"] = Field(
+        default="auto",
+        description=(
+            "auto: replicas advertising KV events in /server_info are matched precisely from their events "
+            "(the others approximately); approximate: never subscribe, match every replica approximately"
+        ),
+    )
+    tokenizer_dir: str | None = Field(
+        default=None,
+        description="precise mode: the model directory (tokenizer.json, tokenizer_config.json) when a "
+                    "replica's model_path is not a local directory",
+    )
+    event_lease_ttl_s: float = Field(
+        default=5.0, gt=0,
+        description="precise mode on Redis: a gateway holds a replica's event stream for this long unless it "
+                    "renews (every third of it); another gateway takes over when it lapses",
+    )
     redis_url: str | None = Field(default=None, description="redis://host:port/db; selects the Redis backend")
     key_prefix: str = Field(default="kvgate", description="Redis key prefix, so several fleets share one Redis")
     session_ttl_s: float = Field(default=3600.0, description="forget a session this long after its last turn")

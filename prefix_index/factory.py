@@ -7,7 +7,8 @@ from prefix_index.memory import MemoryPrefixIndex
 
 
 def make_index(config: IndexConfig) -> PrefixIndex:
-    """Redis when ``backend == "redis"`` or a ``redis_url`` is given, else the embedded one.
+    """Redis when ``backend == "redis"`` or a ``redis_url`` is given, else the embedded one
+    (``compact``: its flat-array layout).
 
     Creating the Redis backend does not connect: the first call does (and degrades to the
     local copy if Redis is not there yet).
@@ -17,5 +18,10 @@ def make_index(config: IndexConfig) -> PrefixIndex:
 
         return RedisPrefixIndex(config)
     default = ReplicaCapacity(config.default_device_blocks, config.default_host_blocks)
+    if config.backend == "compact":
+        from prefix_index.compact import CompactPrefixIndex
+
+        return CompactPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default,
+                                  max_sessions=config.max_sessions)
     return MemoryPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default,
                              max_sessions=config.max_sessions)

@@ -10,21 +10,38 @@ token ids matches page for page.
 
 Layout, so that a lookup costs the same for 8 replicas as for 512: one dict per tier
 mapping a page hash to a bitmask of the replicas holding it (bit = the replica's slot).
-``match`` walks the request's hashes once, narrowing a mask of replicas still matching;
-it stops when no replica matches further. Device pages are prefix-closed in the radix
-tree, so a replica's device match is the run of leading hashes on its GPU, and its host
-match continues that run over GPU or host pages.
+``match`` walks the request's hashes once from the end, collecting the replicas found;
+it stops when every replica asked for has been found. Pages are prefix-closed in the
+radix tree (per tier), so a replica's device match ends at the deepest page on its GPU,
+and its host match at the deepest page on GPU or host: a page stored before the gateway
+subscribed (which it never saw) does not cut a match short.
 
 A replica whose stream lost batches that could not be replayed is *uncertain* until it
 is cleared or rebuilt (``uncertain``): the caller decides how much to trust it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from prefix_index.base import PrefixMatch, ReplicaId
 
 DEVICE_MEDIA = frozenset({"GPU"})
+
+
+def to_prefix_match(pages_device: int, pages_host: int, page_size: int, block_tokens: int = 1) -> PrefixMatch:
+    """A precise match (``EventBlockIndex.match``: leading pages on device, then on host)
+    in blocks of ``block_tokens`` tokens, rounded down per cumulative tier.
+
+    ``block_tokens=1`` (the default) gives tokens: ``PrefixMatch(device_tokens, host_tokens)``,
+    the unit of ``policies.routing.merge_matches``/``token_context``. With the request's
+    ``ctx.block_tokens`` it gives block-equivalents for a policy in approximate units
+    (up to one block of the match is then lost to rounding).
+    """
+    unit = max(block_tokens, 1)
+    device_tokens = max(pages_device, 0) * page_size
+    total_tokens = device_tokens + max(pages_host, 0) * page_size
+    device = device_tokens // unit
+    return PrefixMatch(device, total_tokens // unit - device)
 
 
 class EventBlockIndex:
@@ -105,10 +122,16 @@ class EventBlockIndex:
 
     # ---------------------------------------------------------------- lookup
     def match(self, hashes: Sequence[int], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
-        """Per replica, how many leading hashes it holds on device, then on host."""
+        """Per replica, how many leading hashes it holds on device, then on device or host.
+
+        A replica's cache is a radix tree, prefix-closed per tier (a page on device has its
+        parents on device; the host tier likewise), so the match is the *deepest* page it
+        holds: a page stored before this gateway subscribed (a shared first page, stored
+        once long ago) does not hide the pages stored after it.
+        """
         slots = {self._slots[r]: r for r in replicas if r in self._slots}
-        device_depth = _depths(hashes, slots, lambda h: self._device.get(h, 0))
-        any_depth = _depths(hashes, slots, lambda h: self._device.get(h, 0) | self._host.get(h, 0))
+        device_depth = _deepest(hashes, slots, (self._device,))
+        any_depth = _deepest(hashes, slots, (self._device, self._host)) if self._host else device_depth
         out = {r: PrefixMatch() for r in replicas}
         for slot, replica in slots.items():
             dev = device_depth[slot]
@@ -116,20 +139,29 @@ class EventBlockIndex:
         return out
 
 
-def _depths(hashes: Sequence[int], slots: dict[int, ReplicaId], mask_of: Callable[[int], int]) -> dict[int, int]:
-    """For each slot, the number of leading hashes whose mask has its bit."""
-    alive = 0
+def _deepest(hashes: Sequence[int], slots: dict[int, ReplicaId], tables: tuple[dict[int, int], ...]) -> dict[int, int]:
+    """For each slot, 1 + the index of the last hash whose mask (OR over ``tables``) has its bit (0: none)."""
+    want = 0
     for slot in slots:
-        alive |= 1 << slot
-    depth = dict.fromkeys(slots, len(hashes))
-    for i, h in enumerate(hashes):
-        if not alive:
-            break
-        mask = mask_of(h)
-        stopped = alive & ~mask
-        while stopped:
-            low = stopped & -stopped
-            depth[low.bit_length() - 1] = i
-            stopped ^= low
-        alive &= mask
+        want |= 1 << slot
+    depth = dict.fromkeys(slots, 0)
+    found = 0
+    first = tables[0].get
+    rest = [t.get for t in tables[1:]]
+    i = len(hashes)
+    for h in reversed(hashes):  # the hot loop: one dict lookup per page while nothing is found
+        mask = first(h, 0)
+        if rest:
+            for get in rest:
+                mask |= get(h, 0)
+        if mask and mask & want & ~found:
+            new = mask & want & ~found
+            found |= new
+            while new:
+                low = new & -new
+                depth[low.bit_length() - 1] = i
+                new ^= low
+            if found == want:
+                break
+        i -= 1
     return depth

@@ -172,8 +172,8 @@ class SeqStatus(enum.Enum):
     NEXT = "next"  # the expected batch
     FIRST = "first"  # the first batch seen from this publisher
     GAP = "gap"  # batches were lost between the last one and this one
-    OLD = "old"  # a duplicate or a replayed batch already applied
-    RESTART = "restart"  # seq went back to 0: the publisher (the replica) restarted
+    OLD = "old"  # the batch just applied, again (a duplicate)
+    RESTART = "restart"  # seq went further back: the publisher (the replica) restarted
 
 
 @dataclass(slots=True)
@@ -194,10 +194,11 @@ class SequenceTracker:
         if seq > expected:
             self.expected = seq + 1
             return SeqStatus.GAP, expected
-        if seq == 0:
-            self.expected = 1
-            return SeqStatus.RESTART, 0
-        return SeqStatus.OLD, seq
+        if seq == expected - 1:
+            return SeqStatus.OLD, seq  # the last batch again (a duplicate)
+        # further back: the publisher started over (a restart whose first batches we missed too)
+        self.expected = seq + 1
+        return SeqStatus.RESTART, seq
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ on shutdown); it never touches the request path: decoded batches go to an
                              (when advertised, within replay_timeout_s) and apply them first;
                              what could not be replayed -> sink.lost(...): the replica's entries
                              are uncertain until rebuilt
-    seq back to 0         -> sink.restarted(...) (the replica restarted: drop its entries), apply
-    an old seq            -> ignored (a duplicate)
+    seq went back           -> sink.restarted(...) (the replica restarted: drop its entries), apply
+    the last seq again    -> ignored (a duplicate)
     undecodable           -> counted in ``decode_errors``, skipped
 
 A publisher with a wildcard host binds and we connect; with a concrete host it connects
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import zmq
@@ -41,9 +42,11 @@ from replicas.kv_events import (
     decode_batch,
     decode_message,
     decode_seq,
+    encode_batch,
 )
 
 log = logging.getLogger("replicas.kv_events")
+BIND_RETRY_S = 5.0
 
 
 class EventSink(Protocol):
@@ -56,8 +59,10 @@ class EventSink(Protocol):
 
 class KvEventSubscriber:
     def __init__(self, endpoint: PublisherEndpoint, sink: EventSink, context: zmq.asyncio.Context, *,
-                 replay_timeout_s: float = 1.0) -> None:
+                 replay_timeout_s: float = 1.0, on_incident: Callable[[str], None] | None = None) -> None:
+        """``on_incident(outcome)`` is told of "gap", "healed", "lost", "restart", "decode_error"."""
         self.endpoint = endpoint
+        self.on_incident = on_incident
         self.sink = sink
         self.context = context
         self.replay_timeout_s = replay_timeout_s
@@ -66,19 +71,36 @@ class KvEventSubscriber:
         self.gaps = 0
         self.healed = 0
         self.decode_errors = 0
+        self._sock: zmq.asyncio.Socket | None = None
 
-    def _socket(self) -> zmq.asyncio.Socket:
+    async def _socket(self) -> zmq.asyncio.Socket:
+        """The SUB socket; a bind retries while the address is still held (a predecessor's
+        socket closing: a replica re-discovered after a restart), up to ``BIND_RETRY_S``."""
         sock = self.context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic)
-        if self.endpoint.bind:
-            sock.bind(self.endpoint.endpoint)
-        else:
+        if not self.endpoint.bind:
             sock.connect(self.endpoint.endpoint)
-        return sock
+            return sock
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BIND_RETRY_S
+        while True:
+            try:
+                sock.bind(self.endpoint.endpoint)
+                return sock
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or loop.time() > deadline:
+                    sock.close(linger=0)
+                    raise
+                await asyncio.sleep(0.05)
+
+    def close(self) -> None:
+        """Close the socket now (releases a bound address before the task is cancelled)."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
 
     async def run(self) -> None:
-        sock = self._socket()
+        sock = self._sock = await self._socket()
         try:
             while True:
                 frames = await sock.recv_multipart()
@@ -86,6 +108,7 @@ class KvEventSubscriber:
                     batch = decode_message(frames)
                 except KvEventError as exc:
                     self.decode_errors += 1
+                    self._incident("decode_error")
                     log.warning("kv events from %s: %s", self.endpoint.endpoint, exc)
                     continue
                 await self.handle(batch)
@@ -97,9 +120,11 @@ class KvEventSubscriber:
         if status is SeqStatus.OLD:
             return
         if status is SeqStatus.RESTART:
+            self._incident("restart")
             await self.sink.restarted(self.endpoint)
         elif status is SeqStatus.GAP:
             self.gaps += 1
+            self._incident("gap")
             await self._heal(first_missing, batch.seq)
         await self.sink.apply(self.endpoint, batch)
         self.applied += 1
@@ -116,8 +141,14 @@ class KvEventSubscriber:
             log.warning("kv events from %s: batches %d..%d lost; entries uncertain", self.endpoint.endpoint,
                         expected, next_seen - 1)
             await self.sink.lost(self.endpoint, expected, next_seen)
+            self._incident("lost")
         else:
             self.healed += 1
+            self._incident("healed")
+
+    def _incident(self, outcome: str) -> None:
+        if self.on_incident is not None:
+            self.on_incident(outcome)
 
     async def replay(self, start: int, stop: int) -> list[EventBatch]:
         """Batches ``start <= seq < stop`` from the replay socket ([] on timeout or error)."""
@@ -168,3 +199,29 @@ class IndexSink:
 
     async def restarted(self, endpoint: PublisherEndpoint) -> None:
         self.index.cleared(ReplicaId(endpoint.replica))
+
+
+class Relay(Protocol):
+    async def relay(self, replica: str, kind: str, rank: int, seq: int, payload: bytes = b"") -> None: ...
+
+
+class RelaySink:
+    """Applies through ``inner`` and relays every batch (and loss, restart) to the other
+    gateways (``prefix_index.event_lease.EventLease.relay``): the lease holder's sink."""
+
+    def __init__(self, inner: EventSink, relay: Relay) -> None:
+        self.inner = inner
+        self.relay_to = relay
+
+    async def apply(self, endpoint: PublisherEndpoint, batch: EventBatch) -> None:
+        await self.inner.apply(endpoint, batch)
+        await self.relay_to.relay(endpoint.replica, "batch", endpoint.dp_rank, batch.seq,
+                                  encode_batch(batch.events, batch.ts, batch.dp_rank))
+
+    async def lost(self, endpoint: PublisherEndpoint, first_missing: int, next_seen: int) -> None:
+        await self.inner.lost(endpoint, first_missing, next_seen)
+        await self.relay_to.relay(endpoint.replica, "lost", endpoint.dp_rank, next_seen)
+
+    async def restarted(self, endpoint: PublisherEndpoint) -> None:
+        await self.inner.restarted(endpoint)
+        await self.relay_to.relay(endpoint.replica, "restart", endpoint.dp_rank, 0)

@@ -21,6 +21,13 @@ for a real one, with the real policy and the real embedded index:
    ``policy.on_completed`` with an ``Outcome`` carrying the engine's ``cached_tokens``, so
    the index feedback (truncate on over-prediction) runs as in production.
 
+Precise mode (``route(..., precise=matches)``, `loadtest.fleetsim.precise`): the matches
+of the replicas in ``precise`` (tokens, from the engines' KV events) replace the
+approximate index's (``policies.routing.merge_matches``; the approximate index is not
+read when every replica is precise) and the policy decides over ``token_context(ctx)``,
+as the gateway does; hooks and accounting keep the original context, so the approximate
+index and the sessions are maintained as before.
+
 The index and hooks are async (``prefix_index.base``); the embedded backend never
 awaits, so `run_sync` drives each coroutine to completion without an event loop (and
 fails loudly should a backend ever really wait).
@@ -40,7 +47,7 @@ from policies.base import (
     RequestContext,
     RoutingInputs,
 )
-from policies.routing import RoutingCore
+from policies.routing import RoutingCore, merge_matches, token_context
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId
 from replicas.load import LoadCounters, LoadLease
 from replicas.model import ReplicaState, ReplicaView
@@ -113,11 +120,15 @@ class SimRouter:
             for rid, c, r in zip(self.ids, self.counters, self.reported)
         )
 
-    def inputs(self, ctx: RequestContext, now_s: float) -> RoutingInputs:
+    def inputs(self, ctx: RequestContext, now_s: float,
+               precise: dict[ReplicaId, PrefixMatch] | None = None) -> RoutingInputs:
         index, core = self.index, self.core
         matches: dict[ReplicaId, PrefixMatch] = (
-            run_sync(index.match(ctx.block_hashes, self.ids)) if ctx.block_hashes else {}
+            run_sync(index.match(ctx.block_hashes, self.ids))
+            if ctx.block_hashes and (precise is None or len(precise) < len(self.ids)) else {}
         )
+        if precise is not None:
+            matches = merge_matches(matches, precise, approx_block_tokens=ctx.block_tokens)
         key, parent = ctx.session.session, ctx.session.parent
         if core.resident_fresh(now_s) is None:
             core.store_resident(now_s, run_sync(index.resident_tokens(now_s, core.resident_window_s)))
@@ -128,11 +139,15 @@ class SimRouter:
             now_s,
         )
 
-    def route(self, ctx: RequestContext, now_s: float) -> tuple[Decision, LoadLease] | None:
-        """Decide and record; None when no replica can take the request (rejected)."""
-        inputs = self.inputs(ctx, now_s)
+    def route(self, ctx: RequestContext, now_s: float,
+              precise: dict[ReplicaId, PrefixMatch] | None = None) -> tuple[Decision, LoadLease] | None:
+        """Decide and record; None when no replica can take the request (rejected).
+
+        ``precise``: token matches of the replicas known from KV events (module docstring)."""
+        inputs = self.inputs(ctx, now_s, precise)
         try:
-            decision = self.core.decide(ctx, inputs)
+            decision = self.core.decide(ctx if precise is None else token_context(ctx, ctx.est_prompt_tokens),
+                                        inputs)
         except NoRoutableReplica:
             return None
         self.core.account(ctx, decision)

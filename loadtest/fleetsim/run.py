@@ -11,6 +11,14 @@ trace's output length) for the engine the policy picked (`loadtest.fleetsim.rout
 Streaming: the request is submitted with ``stream="first"``: the engine reports the
 first token only (the gateway's lease moves from prefill to decode then) and renders no
 token ids after it.
+
+Index mode (``SimConfig.index_mode``): ``approximate`` (the gateway's prediction from its
+own decisions, above) or ``precise`` (`loadtest.fleetsim.precise`: the engines publish
+their KV events into an ``EventBlockIndex``; before each decision every engine is brought
+to the decision's time, so the index holds every event up to it, and the request is
+matched with SGLang's page hashes of its token ids). The summary's
+``prediction_within_page`` is the share of served requests whose predicted cached tokens
+are within one page of what the engine then reported.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from gateway.context import HashingConfig, SessionConfig, session_keys
 from gateway.settings import POLICIES_NEEDING_ROUTING_TEXT
 from loadtest.fleetsim.metrics import Record, summarize
 from loadtest.fleetsim.oracle import Oracle
+from loadtest.fleetsim.precise import PreciseFleetIndex, SglangPages
 from loadtest.fleetsim.prompts import TEXT_CHARS_PER_BLOCK, SessionPrompt
 from loadtest.fleetsim.router import SimRouter
 from loadtest.fleetsim.sessions import Done, Pacing, start_closed_loop, start_open_loop
@@ -51,6 +60,7 @@ class SimConfig:
     sim_duration_s: float | None = None
     loads_poll_interval_s: float = 1.0
     policy_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    index_mode: str = "approximate"  # or "precise" (loadtest.fleetsim.precise)
 
 
 @dataclass
@@ -64,13 +74,14 @@ class SimRunResult:
 class _Conv:
     """Per conversation: its prompt state, session keys and routing key."""
 
-    __slots__ = ("keys", "prompt")
+    __slots__ = ("keys", "prompt", "sglang")
 
-    def __init__(self, session: Session, max_tokens_hashed: int, want_text: bool) -> None:
+    def __init__(self, session: Session, max_tokens_hashed: int, want_text: bool, page_size: int | None) -> None:
         bs = session.block_size
         self.prompt = SessionPrompt(session.namespace, session.id, bs,
                                     max(1, max_tokens_hashed // bs), want_text)
         self.keys: SessionKeys = session_keys(session.headers, None, SessionConfig())
+        self.sglang = SglangPages(page_size) if page_size else None  # precise mode only
 
 
 class _InFlight:
@@ -110,8 +121,14 @@ class FleetRun:
         self.policy = make_policy(policy_name, self._params(policy_name, block), cfg.seed)
         spec = Capacity(prof.device_tokens, prof.host_tokens, prof.page_size, prof.max_running_requests,
                         prof.served_model_name)
-        self.router = SimRouter(self.policy, self.index, [ReplicaId(f"sim-{i}") for i in range(cfg.replicas)],
-                                spec, self.fleet.snapshot, block, cfg.seed, cfg.loads_poll_interval_s)
+        ids = [ReplicaId(f"sim-{i}") for i in range(cfg.replicas)]
+        self.router = SimRouter(self.policy, self.index, ids, spec, self.fleet.snapshot, block, cfg.seed,
+                                cfg.loads_poll_interval_s)
+        self.precise: PreciseFleetIndex | None = None
+        if cfg.index_mode == "precise":
+            self.precise = PreciseFleetIndex(prof.page_size)
+            for engine, rid in zip(self.engines, ids):
+                engine.attach_events(self.precise.recorder(rid))
         h = HashingConfig()
         self.max_tokens_hashed = int(h.max_blocks * h.block_chars / h.chars_per_token)
         self.oracle = Oracle()
@@ -140,16 +157,20 @@ class FleetRun:
         self.sent += 1
         conv = self.convs.get(session.id)
         if conv is None:
-            conv = self.convs[session.id] = _Conv(session, self.max_tokens_hashed, self.want_text)
+            conv = self.convs[session.id] = _Conv(session, self.max_tokens_hashed, self.want_text,
+                                                  self.cfg.profile.page_size if self.precise else None)
         t = session.turns[turn]
         prompt = conv.prompt
         prompt.advance(t.shared_blocks, t.new_hash_ids)
+        if conv.sglang is not None:
+            conv.sglang.truncate(t.shared_blocks * session.block_size)
         if turn == len(session.turns) - 1:
             del self.convs[session.id]
         rec = Record(session.id, turn, session.parent is not None, now_s, t.in_tokens)
         self.records.append(rec)
         ctx = self._context(session, conv, turn, t.in_tokens, t.out_tokens)
-        routed = self.router.route(ctx, now_s)
+        ids = prompt.prompt_ids(t.in_tokens, turn)
+        routed = self.router.route(ctx, now_s, self._precise_matches(conv, ids))
         if routed is None:
             rec.rejected = True
             on_done(now_s)
@@ -161,12 +182,19 @@ class FleetRun:
         hashes = prompt.hashes
         matched = self.oracle.match_blocks(hashes)
         rec.oracle_cached = min(matched * session.block_size, t.in_tokens)
-        ids = prompt.prompt_ids(t.in_tokens, turn)
         req = SimRequest(ctx.request_id, ids, t.out_tokens, ignore_eos=True, seed=self.cfg.seed,
                          stream="first", page_hashes=prompt.page_hashes(ids, self.cfg.profile.page_size))
         self.fleet.submit(slot, req, _InFlight(self, rec, ctx, decision, lease, on_done))
         if not rec.rejected:
             self.oracle.record(hashes, matched)
+
+    def _precise_matches(self, conv: _Conv, ids: Any) -> dict[ReplicaId, Any] | None:
+        """Precise mode: every engine brought to now (its events applied), then the match."""
+        if self.precise is None or conv.sglang is None:
+            return None
+        for i in range(len(self.engines)):
+            self.fleet.snapshot(i)
+        return self.precise.matches(conv.sglang.hashes(ids, conv.prompt.tokens), self.router.ids)
 
     def _context(self, session: Session, conv: _Conv, turn: int, in_tokens: int,
                  out_tokens: int) -> RequestContext:
@@ -214,10 +242,20 @@ class FleetRun:
                             [s.total_prefill_busy_s for s in stats],
                             sum(s.total_prefill_uncached_tokens for s in stats))
         wall = time.perf_counter() - wall0
-        summary.update(policy=self.policy.name, wall_s=wall, cpu_s=time.process_time() - cpu0, load_polls=self.router.polls,
+        name = self.policy.name if cfg.index_mode == "approximate" else f"{self.policy.name} ({cfg.index_mode})"
+        summary.update(policy=name, index=cfg.index_mode, prediction_within_page=self._prediction_share(),
+                       wall_s=wall, cpu_s=time.process_time() - cpu0, load_polls=self.router.polls,
                        evicted_tokens=sum(s.evicted_tokens_total for s in stats),
                        host_dropped_tokens=sum(s.host_dropped_tokens_total for s in stats))
         return SimRunResult(self.policy.name, self.records, summary, wall)
+
+
+    def _prediction_share(self) -> float | None:
+        page = self.cfg.profile.page_size
+        served = [r for r in self.records if not r.rejected and r.finish_s is not None]
+        if not served:
+            return None
+        return sum(abs(r.predicted_cached - r.cached) <= page for r in served) / len(served)
 
 
 def run_policy(workload: Workload, policy_name: str, cfg: SimConfig) -> SimRunResult:

@@ -43,6 +43,7 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("tok/s/user p50", "output_tps_per_user_p50", _num),
     ("out tok/s/GPU", "throughput_tokens_per_s_per_gpu", _rate),
     ("imbalance", "imbalance", _ratio),
+    ("pred ±1 page", "prediction_within_page", _pct),
     ("requests", "requests", _int),
     ("rejected", "rejected", _int),
 )

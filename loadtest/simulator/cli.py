@@ -8,11 +8,17 @@ One replica: uvicorn (programmatic; log level warning, no access log) serving
 readiness 503, every request still served, exit when none is in flight); SIGINT stops
 at once. A fleet starts ``--replicas`` child processes (replica ``i`` on
 ``base_port + i`` with seed ``seed + i``) and stops them all on SIGINT/SIGTERM.
+
+``--kv-events-config '{"publisher":"zmq","endpoint":"tcp://*:P","topic":"kv"}'`` (SGLang's flag
+and JSON; port 0 = a free port, required for a fleet) publishes the replica's KV events
+(``kv_publisher.py``): the engine gets a ``KvEventRecorder`` and the app's lifespan runs the
+``ZmqKvPublisher`` around the server's own (no change to ``server.py``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -20,6 +26,13 @@ import time
 from typing import Any
 
 from loadtest.simulator.faults import DIE_MODES, FaultConfig, FaultConfigError
+from loadtest.simulator.kv_publisher import (
+    KvEventRecorder,
+    KvEventsConfig,
+    KvEventsConfigError,
+    ZmqKvPublisher,
+    with_free_ports,
+)
 from loadtest.simulator.profile import DEFAULT_PROFILE, ProfileError, load_profile
 
 DEFAULT_PORT = 31001
@@ -36,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-port", type=int, default=None,
                         help="fleet: replica i listens on base-port + i (default --port)")
     parser.add_argument("--log-level", default="warning", help="log level (default warning)")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help='publish KV events as SGLang does, e.g. \'{"publisher":"zmq",'
+                             '"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}\'')
     faults = parser.add_argument_group("fault injection (tests; also POST /_sim/faults)")
     faults.add_argument("--error-rate", type=float, default=0.0,
                         help="fraction of requests answered --error-status before the first byte")
@@ -61,16 +77,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         faults = _faults(args)
         profile = load_profile(args.profile)
-    except (FaultConfigError, ProfileError) as e:
+        kv_events = KvEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
+    except (FaultConfigError, ProfileError, KvEventsConfigError) as e:
         print(f"kvgate sim: {e}", file=sys.stderr)
         return 2
     if args.replicas > 1:
+        if kv_events is not None and not _free_ports_only(kv_events):
+            print("kvgate sim: with --replicas, --kv-events-config ports must be 0 (a free port each)",
+                  file=sys.stderr)
+            return 2
         return _run_fleet(args)
+    if kv_events is not None:
+        kv_events = with_free_ports(kv_events, args.host)
     time_scale = args.time_scale if args.time_scale is not None else profile.time_scale
     from loadtest.simulator.config import SimServerConfig
 
     config = SimServerConfig(profile=profile, time_scale=time_scale, seed=args.seed, host=args.host,
-                          port=args.port, faults=faults, handle_sigterm=True)
+                          port=args.port, faults=faults, handle_sigterm=True, kv_events=kv_events)
     asyncio.run(_serve(config, args.log_level))
     return 0
 
@@ -86,6 +109,7 @@ async def _serve(config: Any, log_level: str) -> None:
         holder["server"].should_exit = True
 
     app = build_app(config, on_drained=drained)
+    _attach_kv_events(app, config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level=log_level.lower(), access_log=False,
                                            lifespan="on", timeout_graceful_shutdown=5))
@@ -95,6 +119,28 @@ async def _serve(config: Any, log_level: str) -> None:
         await server.serve()
     finally:
         announce.cancel()
+
+
+def _free_ports_only(kv: KvEventsConfig) -> bool:
+    return all(e is None or e.endswith(":0") for e in (kv.endpoint, kv.replay_endpoint))
+
+
+def _attach_kv_events(app: Any, config: Any) -> None:
+    """Give the replica's engine a recorder publishing over ZMQ, run by the app's lifespan."""
+    kv: KvEventsConfig | None = config.kv_events
+    if kv is None or not kv.enabled:
+        return
+    publisher = ZmqKvPublisher(kv, config.host)
+    app.state.replica.engine.attach_events(KvEventRecorder(config.profile.page_size, publisher.publish))
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> Any:
+        async with publisher.running(), inner(a):
+            yield
+
+    app.router.lifespan_context = lifespan
+    app.state.kv_publisher = publisher
 
 
 async def _announce(server: Any, config: Any) -> None:
@@ -108,6 +154,8 @@ def _run_fleet(args: argparse.Namespace) -> int:
     from loadtest.simulator.fleet import SimFleet
 
     extra = ["--log-level", args.log_level]
+    if args.kv_events_config:
+        extra += ["--kv-events-config", args.kv_events_config]
     for flag, value, default in (("--error-rate", args.error_rate, 0.0),
                                  ("--error-status", args.error_status, 503),
                                  ("--latency-s", args.latency_s, 0.0),

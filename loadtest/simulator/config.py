@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.simulator.faults import FaultConfig
+from loadtest.simulator.kv_publisher import KvEventsConfig
 from loadtest.simulator.profile import Profile
 
 
@@ -19,3 +20,4 @@ class SimServerConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     model_dir: Path | None = None  # default: info.model_dir(profile)
     handle_sigterm: bool = False  # install the SGLang-like SIGTERM drain (the CLI does)
+    kv_events: KvEventsConfig | None = None  # --kv-events-config (None: no events published)

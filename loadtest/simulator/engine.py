@@ -31,18 +31,24 @@ Scheduling (SGLang's unified scheduler, no mixed chunk):
   for the first token (the end of prefill: virtual-time load tests need the time to first
   token, not the ids); ``False`` never (results only). Counters, the recent window and
   ``snapshot`` live in ``stats.py``.
+* KV events (``attach_events``, off by default): the engine names the pages it commits
+  from their token ids (``EventRecorder.name``: SGLang's page hash, ``kv_publisher.py``),
+  the cache reports every page move to the same recorder, and the engine closes one batch
+  per scheduler step (the end of ``_schedule``) and on ``flush_cache``.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from loadtest.simulator import stats, tokenizer
-from loadtest.simulator.kvcache import PagedPrefixCache
+from loadtest.simulator.kvcache import CacheObserver, PagedPrefixCache
 from loadtest.simulator.profile import Profile
 from loadtest.simulator.requests import RequestListener, RequestResult, SimRequest
 from loadtest.simulator.stats import EngineStats
@@ -51,6 +57,14 @@ __all__ = ["EngineStats", "ReplicaEngine", "RequestListener", "RequestResult", "
 
 MILLI = 1000
 MAX_PLAN_STEPS = 4096  # bound on one planned decode run (memory n x steps)
+
+
+class EventRecorder(CacheObserver, Protocol):
+    """The cache's observer that also names pages and batches events per step."""
+
+    def name(self, parent: int | None, pages: Sequence[int], tokens: npt.NDArray[Any]) -> None: ...
+
+    def end_step(self, ts: float) -> None: ...
 
 
 @dataclass
@@ -135,6 +149,12 @@ class ReplicaEngine:
         self._now = 0.0
         self.window = stats.RecentWindow(profile.recent_window_s)
         self.totals = stats.EngineTotals()
+        self.events: EventRecorder | None = None
+
+    def attach_events(self, recorder: EventRecorder) -> None:
+        """Publish KV events from now on (attach before the first request)."""
+        self.events = recorder
+        self.cache.observer = recorder
 
     # -- public API --------------------------------------------------------------------
     @property
@@ -151,6 +171,11 @@ class ReplicaEngine:
         self._cut_run()
         if self._step is None:
             self._schedule(now_s)
+
+    def cached_tokens(self, rid: str) -> int:
+        """Cached prompt tokens (device + host) of a request still in the engine, else 0."""
+        live = self._lives.get(rid)
+        return 0 if live is None else int(live.cached_device + live.cached_host)
 
     def abort(self, rid: str, now_s: float) -> None:
         self.advance(now_s)
@@ -197,7 +222,10 @@ class ReplicaEngine:
     def flush_cache(self) -> bool:
         if not self.is_idle():
             return False
-        return self.cache.flush()
+        flushed = self.cache.flush()
+        if self.events is not None:
+            self.events.end_step(self._now)
+        return flushed
 
     def is_idle(self) -> bool:
         return not (self._waiting or self._prefilling or self._running)
@@ -275,6 +303,11 @@ class ReplicaEngine:
         """At a step boundary: admit, then start the next step (or go idle)."""
         self._sweep_aborted(now_s)
         self._admit(now_s)
+        self._plan_next(now_s)
+        if self.events is not None:
+            self.events.end_step(now_s)
+
+    def _plan_next(self, now_s: float) -> None:
         if self._prefilling and (not self._running or not self._last_was_prefill):
             self._step = self._plan_prefill(now_s)
             self._last_was_prefill = True
@@ -325,7 +358,8 @@ class ReplicaEngine:
             live.computed += take
             self.totals.prefill_uncached_tokens += take
             full = min(live.computed // page, len(live.hashes))
-            self._commit(live, live.hashes[len(live.path) : full])
+            start = len(live.path)
+            self._commit(live, live.hashes[start:full], live.req.prompt_ids[start * page : full * page])
             if not live.aborted and live.prefill_left == 0:
                 self._prefilling.remove(live)
                 live.generated = 1
@@ -339,8 +373,11 @@ class ReplicaEngine:
                     self._running.append(live)
         self.window.add_tokens(t, first_tokens, 0)
 
-    def _commit(self, live: _Live, hashes: list[int]) -> None:
+    def _commit(self, live: _Live, hashes: list[int], tokens: npt.NDArray[Any]) -> None:
+        """``hashes`` (pages of ``tokens``) extend the request's path and join the cache."""
         if hashes:
+            if self.events is not None:
+                self.events.name(live.path[-1] if live.path else None, hashes, tokens)
             self.cache.commit(live.path, hashes)
             live.private -= len(hashes) * self.profile.page_size
 
@@ -449,5 +486,6 @@ class ReplicaEngine:
         tail = live.req.prompt_ids[n_prompt_pages * page :]
         out = tokenizer.output_token_ids(live.key, 0, live.generated - 1)
         parent = live.hashes[-1] if live.hashes else 0
-        extra = self.cache.hashes(np.concatenate((tail, out)), parent)
-        self._commit(live, extra)
+        seq = np.concatenate((tail, out))
+        extra = self.cache.hashes(seq, parent)
+        self._commit(live, extra, seq)

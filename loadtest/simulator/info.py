@@ -2,9 +2,9 @@
 
 Shapes follow the SGLang 0.5.23 contract (§1.2-1.5). ``/server_info`` is a flat object
 of resolved server arguments (the subset a gateway or a peer router reads, not all ~546)
-plus the scheduler handshake fields, ``kv_events: null`` (the simulator publishes no KV
-events), ``internal_states`` and ``version``; one extra key, ``kvgate_sim``, names the
-profile and time scale.
+plus the scheduler handshake fields, ``kv_events`` (the publisher descriptor of
+``--kv-events-config``, or null: ``kv_publisher.descriptor``), ``internal_states`` and
+``version``; one extra key, ``kvgate_sim``, names the profile and time scale.
 
 ``model_path`` is an existing local directory holding a minimal ``config.json`` and a
 real Hugging Face tokenizer whose counts equal the simulator's (:mod:`.hf_tokenizer`):
@@ -30,6 +30,7 @@ import orjson
 from loadtest.simulator.config import SimServerConfig
 from loadtest.simulator.engine import EngineStats
 from loadtest.simulator.hf_tokenizer import write_tokenizer
+from loadtest.simulator.kv_publisher import KvEventsConfig, descriptor
 from loadtest.simulator.metrics import SchedulerSample
 from loadtest.simulator.profile import Profile
 
@@ -91,13 +92,28 @@ def server_args(config: SimServerConfig, model_path: Path) -> dict[str, Any]:
         "speculative_algorithm": spec, "speculative_draft_model_path": None,
         "speculative_num_steps": 1 if spec else None, "speculative_eagle_topk": 1 if spec else None,
         "speculative_num_draft_tokens": p.spec_num_draft_tokens if spec else None,
-        "kv_events_config": None, "enable_cache_report": True, "enable_metrics": True,
+        "kv_events_config": _kv_events_arg(config), "enable_cache_report": True, "enable_metrics": True,
         "decode_log_interval": 40, "stream_interval": 1, "watchdog_timeout": 300,
         "tool_call_parser": "kimi_k2", "reasoning_parser": "kimi_k2", "load_format": "auto",
         "weight_version": "default", "disaggregation_mode": "null",
         "launch_command": " ".join(shlex.quote(a) for a in sys.argv),
         "kvgate_sim": {"profile": p.name, "time_scale": config.time_scale, "seed": config.seed},
     }
+
+
+def kv_events(args: dict[str, Any]) -> dict[str, Any] | None:
+    """``/server_info.kv_events``: the descriptor of ``kv_events_config`` (SGLang's block
+    size: ``page_size * dcp_size``)."""
+    raw = args.get("kv_events_config")
+    if not isinstance(raw, str):
+        return None
+    block = int(args.get("page_size") or 0) * int(args.get("dcp_size") or 1)
+    return descriptor(KvEventsConfig.from_json(raw), block)
+
+
+def _kv_events_arg(config: SimServerConfig) -> str | None:
+    """``kv_events_config`` as SGLang reports it: the flag's JSON string (None when unset)."""
+    return None if config.kv_events is None else orjson.dumps(config.kv_events.to_json()).decode()
 
 
 def server_info(args: dict[str, Any], stats: EngineStats, profile: Profile,
@@ -119,7 +135,7 @@ def server_info(args: dict[str, Any], stats: EngineStats, profile: Profile,
         "hicache_object_layout": _object_layout(profile),
         "startup_time": {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
                          "cuda_graph": dict.fromkeys(GRAPH_PHASES, 0.0), "tokenizer_e2e": 0.0},
-        "kv_events": None, "internal_states": [state], "version": VERSION, "frontend": "python",
+        "kv_events": kv_events(args), "internal_states": [state], "version": VERSION, "frontend": "python",
     }
 
 

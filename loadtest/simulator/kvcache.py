@@ -33,6 +33,13 @@ entry being stale when its page has since been re-stamped, pinned or evicted (la
 deletion; the queue is rebuilt when stale entries outnumber live pages), so evicting k
 pages costs O(k).
 
+Events (``observer``, None by default: then no extra work): an attached
+``CacheObserver`` (``kv_publisher.KvEventRecorder``) is told every page move in the
+cache's ids: stored / removed per medium (``GPU`` = device, ``CPU_PINNED`` = host),
+``forget`` when a page leaves both tiers, ``cleared`` on a flush. An eviction to the host
+is removed GPU + stored CPU_PINNED; a load-back (admission of a host hit, or a commit of a
+page found on the host) is removed CPU_PINNED + stored GPU.
+
 The index costs ~140 bytes per page (measured by ``loadtest/bench_simulator_memory.py``):
 6M tokens of content = 93,720 pages of 64 tokens ~= 13 MB.
 """
@@ -45,15 +52,29 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import eq
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from replicas.kv_events import CPU_PINNED, GPU
+
 ROOT_SEED = 0
 PINNED = 1 << 62  # the stamp of a pinned page
 _hash = xxhash.xxh3_64_intdigest
+
+
+class CacheObserver(Protocol):
+    """Told every page move of a ``PagedPrefixCache`` (pages are the cache's ids)."""
+
+    def stored(self, pages: Sequence[int], medium: str) -> None: ...
+
+    def removed(self, pages: Sequence[int], medium: str) -> None: ...
+
+    def forget(self, pages: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -202,6 +223,7 @@ class PagedPrefixCache:
         self.evicted_tokens_total = 0  # device -> host (or dropped when no host)
         self.host_dropped_tokens_total = 0
         self.load_back_tokens_total = 0
+        self.observer: CacheObserver | None = None
 
     # -- sizes -------------------------------------------------------------------------
     @property
@@ -283,7 +305,11 @@ class PagedPrefixCache:
         after = (self._pinned_pages + new_pins) * self.page_size + self.private_tokens
         if after + private_tokens > self.device_total_tokens:
             return None
-        deque(map(self._host.stamps.__delitem__, path[match.device_pages :]), maxlen=0)
+        loaded = path[match.device_pages :]
+        deque(map(self._host.stamps.__delitem__, loaded), maxlen=0)
+        if self.observer is not None and loaded:
+            self.observer.removed(loaded, CPU_PINNED)
+            self.observer.stored(loaded, GPU)
         self._device.stamps.update(zip(path[shared:], itertools.repeat(PINNED)))
         self._pinned_pages += new_pins
         self._paths[id(path)] = path
@@ -301,11 +327,23 @@ class PagedPrefixCache:
         already = max(0, min(len(path), self._shared(path, exclude=path)) - start)
         self._pinned_pages += len(hashes) - already
         host = self._host.stamps
-        for h in host.keys() & set(hashes):
+        on_host = host.keys() & set(hashes)
+        for h in on_host:
             del host[h]
+        if self.observer is not None:
+            self._observe_commit(hashes, on_host)
         self._device.stamps.update(zip(hashes, itertools.repeat(PINNED)))
         self.private_tokens -= len(hashes) * self.page_size
         self._evict_to_fit()
+
+    def _observe_commit(self, hashes: Sequence[int], on_host: set[int]) -> None:
+        assert self.observer is not None
+        if on_host:
+            self.observer.removed([h for h in hashes if h in on_host], CPU_PINNED)
+        device = self._device.stamps
+        fresh = [h for h in hashes if h not in device]
+        if fresh:
+            self.observer.stored(fresh, GPU)
 
     def release(self, path: list[int], private_tokens: int) -> None:
         """A request ends: unpin what no one else pins, stamped leaf first."""
@@ -323,6 +361,8 @@ class PagedPrefixCache:
             return False
         self._device.clear()
         self._host.clear()
+        if self.observer is not None:
+            self.observer.cleared()
         return True
 
     # -- eviction ------------------------------------------------------------------------
@@ -338,14 +378,26 @@ class PagedPrefixCache:
             return
         victims, stamps = self._device.pop_oldest(excess)
         self.evicted_tokens_total += len(victims) * self.page_size
+        obs = self.observer
+        if obs is not None:
+            obs.removed(victims, GPU)
         if self.host_capacity_pages == 0:
+            if obs is not None:
+                obs.forget(victims)
             return
         overflow = len(self._host) + len(victims) - self.host_capacity_pages
         if overflow > 0:
             dropped, _ = self._host.pop_oldest(overflow)
             self.host_dropped_tokens_total += len(dropped) * self.page_size
+            if obs is not None:
+                obs.removed(dropped, CPU_PINNED)
+                obs.forget(dropped)
             if len(dropped) < overflow:  # more victims than the whole host pool
                 cut = overflow - len(dropped)
+                if obs is not None:
+                    obs.forget(victims[:cut])
                 victims, stamps = victims[cut:], stamps[cut:]
                 self.host_dropped_tokens_total += cut * self.page_size
         self._host.add(victims, stamps)
+        if obs is not None:
+            obs.stored(victims, CPU_PINNED)

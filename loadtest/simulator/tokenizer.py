@@ -25,14 +25,12 @@ import numpy.typing as npt
 import orjson
 import xxhash
 
-from gateway.word_tokens import (
-    BYTES_PER_TOKEN,
-    VOCAB_SIZE,
-    TokenIds,
-    encode,  # noqa: F401 (part of this tokenizer's API: tokenizer.encode)
-)
+from gateway import word_tokens
+from gateway.word_tokens import BYTES_PER_TOKEN, TokenIds
 
 _MIX_64 = np.uint64(0x9E3779B97F4A7C15)
+encode = word_tokens.encode  # this tokenizer's ids (defined in the gateway: see its docstring)
+VOCAB_SIZE = word_tokens.VOCAB_SIZE
 
 # Chat template markers (Kimi-like). The turn header is role-neutral: the role name comes
 # right after it, so a prompt ending with the generation header is a byte prefix of the

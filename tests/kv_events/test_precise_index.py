@@ -14,12 +14,8 @@ ops = st.lists(st.tuples(st.sampled_from(["stored", "removed", "cleared", "drop"
 
 
 def leading(hashes: list[int], held: set[int]) -> int:
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
+    """The match of a prefix-closed cache: up to the deepest page held."""
+    return max((i + 1 for i, h in enumerate(hashes) if h in held), default=0)
 
 
 @settings(max_examples=300)
@@ -57,3 +53,9 @@ def test_evicted_from_gpu_but_on_host_is_a_host_hit() -> None:
     assert index.match([1, 2, 3, 4], [R[0], R[1]]) == {R[0]: PrefixMatch(1, 2), R[1]: PrefixMatch()}
     index.cleared(R[0])
     assert index.match([1], [R[0]]) == {R[0]: PrefixMatch()}
+
+
+def test_a_page_stored_before_subscribing_does_not_cut_the_match() -> None:
+    index = EventBlockIndex()
+    index.stored(R[0], [2, 3], "GPU")  # page 1 was stored before the gateway subscribed
+    assert index.match([1, 2, 3, 4], [R[0]]) == {R[0]: PrefixMatch(3, 0)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -188,3 +190,73 @@ def test_pool_fifo_skips_stale_entries_and_survives_rebuilds() -> None:
     assert victims == [0, 1, 2] and stamps == sorted(stamps)
     rest, _ = pool.pop_oldest(10_000)
     assert rest[-2:] == [1000, 1001] and len(rest) == 499 and len(pool) == 0
+
+
+def _recorded_cache(device: int, host: int) -> tuple[Any, Any, list[Any]]:
+    """An engine (tiny profile, pools resized) whose events feed an EventBlockIndex."""
+    from loadtest.simulator.engine import ReplicaEngine
+    from loadtest.simulator.kv_publisher import KvEventRecorder
+    from loadtest.simulator.profile import load_profile
+
+    profile = load_profile("tiny").replace(device_tokens=device, host_tokens=host)
+    engine = ReplicaEngine(profile)
+    batches: list[Any] = []
+    engine.attach_events(KvEventRecorder(profile.page_size, lambda events, ts: batches.append(events)))
+    return engine, profile, batches
+
+
+class _Done:
+    def on_tokens(self, rid: str, token_ids: Any, now_s: float) -> None:
+        pass
+
+    def on_finish(self, result: Any, now_s: float) -> None:
+        pass
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(2, 30)), min_size=1, max_size=30),
+       st.sampled_from([0, 1024]))
+def test_events_track_the_cache_per_medium(ops: list[tuple[int, int]], host: int) -> None:
+    """Fed every event, an EventBlockIndex holds exactly the cache's pages, per tier, named
+    by SGLang's hash of their tokens; a flush clears it."""
+    from gateway.sglang_pages import page_hashes as sglang_page_hashes
+    from loadtest.simulator.kv_publisher import KvEventRecorder
+    from loadtest.simulator.requests import SimRequest
+    from prefix_index.base import ReplicaId
+    from prefix_index.precise import EventBlockIndex
+    from replicas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    engine, _, batches = _recorded_cache(512, host)
+    index, rid = EventBlockIndex(), ReplicaId("r")
+    trunks = [_ids(200 + i, 30 * PAGE) for i in range(6)]
+    now = 0.0
+    for k, (which, pages) in enumerate(ops):
+        ids = trunks[which][: pages * PAGE + 3]
+        engine.submit(SimRequest(f"q{k}", ids, 4, ignore_eos=True), _Done(), now)
+        now += 0.05
+        engine.advance(now)
+    engine.advance(now + 100.0)
+    for batch in batches:
+        for e in batch:
+            if isinstance(e, BlockStored):
+                assert len(e.token_ids) == len(e.block_hashes) * PAGE
+                if e.parent_block_hash is None:  # a root chain: its hashes are its tokens' own
+                    assert sglang_page_hashes(list(e.token_ids), PAGE) == list(e.block_hashes)
+                index.stored(rid, e.block_hashes, e.medium)
+            elif isinstance(e, BlockRemoved):
+                index.removed(rid, e.block_hashes, e.medium)
+    cache = engine.cache
+    recorder = engine.events
+    assert isinstance(recorder, KvEventRecorder)
+    names = recorder.names
+    device = {recorder.sglang_hash(h) for h in cache._device.stamps}
+    host_pages = {recorder.sglang_hash(h) for h in cache._host.stamps}
+    assert set(names) == set(cache._device.stamps) | set(cache._host.stamps)
+    assert index.blocks(rid) == (len(device), len(host_pages))
+    for trunk in trunks:  # lookups agree tier by tier
+        hashes = sglang_page_hashes(trunk.tolist(), PAGE)
+        m = index.match(hashes, [rid])[rid]
+        cm = cache.match(cache.hashes(trunk))
+        assert (m.device_blocks, m.host_blocks) == (cm.device_pages, cm.host_pages)
+    assert engine.flush_cache()
+    assert isinstance(batches[-1][-1], AllBlocksCleared) and not names

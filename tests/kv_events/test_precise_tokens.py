@@ -1,0 +1,117 @@
+"""Precise mode's tokenization and page hashing: cached segments and per-session chains give
+exactly what a whole-prompt tokenization and hashing give."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.precise_tokens import ModelTokenizer, SessionHasher
+from gateway.sglang_pages import page_hashes
+from tests.kv_events.tokmodel import write_model
+
+WORDS = st.sampled_from(["def ", "class", " the", "fox", "\n", "  ", "<|im_end|>", "KV", "é", "😀", "caching "])
+TEXT = st.lists(WORDS, max_size=30).map("".join)
+MESSAGES = st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), TEXT), min_size=1, max_size=6)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("tok"))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(MESSAGES)
+def test_segments_equal_whole_prompt_tokenization(model: Path, messages: list[tuple[str, str]]) -> None:
+    tok = ModelTokenizer.from_dir(model)
+    payload = {"messages": [{"role": r, "content": c} for r, c in messages]}
+    text = tok.render_chat(payload)
+    whole = tok.tokenizer.encode(text, add_special_tokens=False).ids
+    for _ in range(2):  # the second time from the segment cache
+        segments = tok.prompt_segments("chat", payload)
+        assert segments is not None
+        assert [t for s in segments for t in s.ids] == whole
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(MESSAGES, min_size=1, max_size=4), st.sampled_from([1, 2, 3, 16]), st.booleans())
+def test_session_chains_equal_hashing_from_scratch(model: Path, turns: list[list[tuple[str, str]]],
+                                                   page: int, bigram: bool) -> None:
+    tok = ModelTokenizer.from_dir(model)
+    hasher = SessionHasher(page, bigram)
+    history: list[dict[str, str]] = []
+    for turn in turns:
+        history += [{"role": r, "content": c} for r, c in turn]
+        segments = tok.prompt_segments("chat", {"messages": history})
+        assert segments is not None
+        ids = [t for s in segments for t in s.ids]
+        got = hasher.hash(segments, "s1")
+        keys = len(ids) - (1 if bigram else 0)
+        expected = page_hashes(ids, page, bigram=bigram)[:max(keys - 1, 0) // page]
+        assert got.tokens == len(ids) and list(got.hashes) == expected
+
+
+def test_completions_and_token_prompts(tmp_path: Path) -> None:
+    tok = ModelTokenizer.from_dir(write_model(tmp_path, bos=True))
+    segments = tok.prompt_segments("completions", {"prompt": "the quick fox"})
+    assert segments is not None and segments[0].ids[0] == 0  # the post-processor's BOS, as SGLang's encode adds
+    generate = tok.prompt_segments("generate", {"input_ids": [5, 6, 7]})
+    assert generate is not None and generate[0].ids == (5, 6, 7)
+    assert tok.prompt_segments("completions", {"prompt": ["a", "b"]}) is None  # a batch: not one prompt
+
+
+def test_tool_call_arguments_reach_the_template_as_objects(model: Path) -> None:
+    tok = ModelTokenizer.from_dir(model)
+    tok.template = tok.template.environment.from_string(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.path }}"
+        "{% endfor %}{% endfor %}")
+    text = tok.render_chat({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "read", "arguments": '{"path": "/x"}'}}]}]})
+    assert text == "/x"
+
+
+def test_anthropic_messages_convert_as_sglang_does() -> None:
+    from gateway.precise_tokens import anthropic_to_chat
+
+    body = {"system": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}], "messages": [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"},
+                                          {"type": "tool_use", "id": "t1", "name": "read", "input": {"p": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]}]}
+    assert anthropic_to_chat(body) == {"messages": [
+        {"role": "system", "content": "A\nB"}, {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": "ok", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "read", "arguments": '{"p": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+        {"role": "assistant", "content": ""}]}
+    image = {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}
+    assert anthropic_to_chat(image) is None and anthropic_to_chat({"tools": [{}], "messages": []}) is None
+
+
+def test_uncached_text_is_tokenized_within_a_budget_per_request(model: Path) -> None:
+    """A conversation new to the gateway is tokenized over several requests (each within
+    the budget, the pieces cached), never in one long stall of the event loop."""
+    from gateway.precise_tokens import OverBudget
+
+    tok = ModelTokenizer.from_dir(model)
+    tok.budget_chars = 3000
+    whole = ModelTokenizer.from_dir(model)
+    whole.budget_chars = 10**9
+    payload = {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 120}
+                            for i in range(9)]}  # ~1,300 characters per message
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            segments = tok.prompt_segments("chat", payload)
+            break
+        except OverBudget:
+            assert attempts < 10
+    assert attempts > 1  # the first request was over the budget: routed approximately
+    expected = whole.prompt_segments("chat", payload)
+    assert segments is not None and expected is not None
+    assert [s.ids for s in segments] == [s.ids for s in expected]
