@@ -4,8 +4,12 @@
         --sessions-concurrent 16,32 --limit-sessions 64 --duration-s 45 \\
         --targets kvgate,kvgate-round-robin,sglang-router,smg --json peers.json --chart peers.png
     kvgate bench peers --overhead      # added latency and CPU per request, every target
+    kvgate bench peers --engine sglang-cpu --replicas 2 --trace ../shared/traces/claude-code \\
+        --limit-sessions 8 --sessions-concurrent 4 --think-scale 0.05 --max-think-s 2 --duration-s 60
 
-One simulated fleet (`SimFleet`, started once) serves every target. For each session
+One fleet, started once, serves every target: simulated replicas (`SimFleet`), or with
+``--engine sglang-cpu`` real SGLang CPU servers and the workload scaled to the tiny model
+(`loadtest.sglang_cpu.harness`; ``--api`` picks the API the driver speaks). For each session
 concurrency and each target, in that order: every replica's cache is flushed
 (``POST /flush_cache``, retried until the replica is idle, so each target starts cold),
 the target starts (kvgate: ``kvgate serve --policy P``; a peer: `loadtest.peers.run`),
@@ -69,7 +73,14 @@ from loadtest.peers.targets import (
 from loadtest.replay_oracle import oracle_hit_rate
 from loadtest.report import run_with_progress
 from loadtest.results import RunResult, summarize
-from loadtest.simulator.fleet import SimFleet
+from loadtest.sglang_cpu.harness import (
+    Fleet,
+    add_engine_arguments,
+    check_engine_args,
+    effective_time_scale,
+    engine_workload,
+    open_fleet,
+)
 from loadtest.workload import Workload
 
 DEFAULT_TARGETS = "kvgate,kvgate-round-robin,sglang-router,smg"
@@ -102,6 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-scale", type=float, default=10.0, help="simulated seconds per wall second"
     )
     f.add_argument("--gpus-per-replica", type=int, default=8)
+    add_engine_arguments(f)
     d = parser.add_argument_group("driver (per target and concurrency)")
     d.add_argument(
         "--targets",
@@ -139,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def one_run(
     target: str,
-    fleet: SimFleet,
+    fleet: Fleet,
     workload: Workload,
     config: DriverConfig,
     args: argparse.Namespace,
@@ -177,7 +189,7 @@ def one_run(
     return with_replica_side(run, before, replica_counters(fleet.urls), extra)
 
 
-def warm_up(fleet: SimFleet, workload: Workload, config: DriverConfig,
+def warm_up(fleet: Fleet, workload: Workload, config: DriverConfig,
             args: argparse.Namespace, console: Console) -> None:
     """Discarded load straight at each replica before any target is measured.
 
@@ -201,30 +213,25 @@ def discover_model(url: str) -> str:
 def run_peers(args: argparse.Namespace, targets: list[str], console: Console) -> int:
     if args.trace == ["synthetic"]:
         args.trace = []
-    workload = build_workload(args)
+    error = check_engine_args(args)
+    if error:
+        console.print(f"[red]{error}[/]")
+        return 2
+    workload = engine_workload(args, build_workload(args))
     levels = [int(c) for c in args.sessions_concurrent.split(",") if c.strip()]
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-bench-peers-"))
     profile = scaled_profile(args.profile, args.kv_scale, log_dir)
     console.print(
-        f"[bold]kvgate bench peers[/]: {args.replicas} x {args.profile} (KV x{args.kv_scale:g}, "
-        f"time scale {args.time_scale:g}), {len(workload.sessions)} {workload.name} sessions, "
+        f"[bold]kvgate bench peers[/]: {args.replicas} x {fleet_name(args)} (KV x{args.kv_scale:g}, "
+        f"time scale {effective_time_scale(args):g}), {len(workload.sessions)} {workload.name} sessions, "
         f"concurrency {levels}, {args.duration_s:g} s per run; logs in {log_dir}"
     )
     runs: list[RunResult] = []
-    with (
-        sigterm_as_exit(),
-        SimFleet(
-            args.replicas,
-            profile=profile,
-            time_scale=args.time_scale,
-            seed=args.seed,
-            log_dir=log_dir,
-        ) as fleet,
-    ):
+    with sigterm_as_exit(), open_fleet(args, profile, log_dir) as fleet:
         config = DriverConfig(
             target="http://127.0.0.1",
             model=discover_model(fleet.urls[0]),
-            time_scale=args.time_scale,
+            time_scale=effective_time_scale(args),
             think_scale=args.think_scale,
             max_think_s=args.max_think_s,
             ramp_s=args.ramp_s,
@@ -232,6 +239,7 @@ def run_peers(args: argparse.Namespace, targets: list[str], console: Console) ->
             duration_s=args.duration_s,
             grace_s=args.grace_s,
             seed=args.seed,
+            api=args.api,
         )
         warm_up(fleet, workload, dataclasses.replace(config, sessions_concurrent=max(levels)), args, console)
         for c in levels:
@@ -246,6 +254,12 @@ def run_peers(args: argparse.Namespace, targets: list[str], console: Console) ->
         charts.write_charts(args.chart, runs)
         console.print(f"chart: {args.chart}")
     return 0 if all(r.summary.requests > 0 and routing_errors(r) == 0 for r in runs) else 1
+
+
+def fleet_name(args: argparse.Namespace) -> str:
+    if args.engine == "sglang-cpu":
+        return f"real SGLang CPU (tiny model, --max-total-tokens {args.max_total_tokens})"
+    return str(args.profile)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,11 +4,15 @@
         --sessions-concurrent 32 --limit-sessions 64 --duration-s 120 --json out.json --chart out.png
     kvgate loadtest sweep --policies cache-aware,round-robin --concurrency 8,16,32 \\
         --replicas 4 --profile kimi-k2.6-b200-tp8 --time-scale 10 --duration-s 30 --chart sweep.png
+    kvgate loadtest sweep --engine sglang-cpu --replicas 2 --trace ../shared/traces/claude-code \\
+        --limit-sessions 8 --concurrency 4 --think-scale 0.05 --max-think-s 2 --duration-s 60
 
 The target may be kvgate, a peer router or a single replica; non-loopback targets are
 refused unless ``--allow-remote``. ``sweep`` starts a simulated fleet and, for every
 (policy, concurrency), flushes the replicas' caches and starts a fresh gateway
 (`kvgate serve --policy P`) over it, then draws throughput-vs-interactivity for all.
+With ``--engine sglang-cpu`` the fleet is real SGLang CPU servers and the workload is
+scaled to the tiny model (`loadtest.sglang_cpu.harness`); ``--api`` picks the API spoken.
 """
 from __future__ import annotations
 
@@ -22,6 +26,12 @@ from loadtest import charts, results, synthetic, traces
 from loadtest.driver import DriverConfig, check_target
 from loadtest.report import run_with_progress, summary_table, sweep_table
 from loadtest.results import RunResult
+from loadtest.sglang_cpu.harness import (
+    add_engine_arguments,
+    check_engine_args,
+    effective_time_scale,
+    engine_workload,
+)
 from loadtest.workload import Workload
 
 
@@ -61,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--replicas", type=int, default=4, help="simulated replicas")
     sweep.add_argument("--profile", default="tiny", help="replica profile (tiny, kimi-k2.6-b200-tp8, or a .toml)")
     sweep.add_argument("--gateway-arg", action="append", default=[], help="extra `kvgate serve` argument")
+    add_engine_arguments(sweep)
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -81,7 +92,7 @@ def driver_config(args: argparse.Namespace, target: str) -> DriverConfig:
         session_rate=args.session_rate, time_scale=args.time_scale, think_scale=args.think_scale,
         max_think_s=args.max_think_s, ramp_s=args.ramp_s, max_requests=args.max_requests,
         duration_s=args.duration_s, keep_itl=args.keep_itl, allow_remote=args.allow_remote,
-        seed=args.seed)
+        seed=args.seed, api=args.api)
 
 
 def _finish(args: argparse.Namespace, runs: list[RunResult], console: Console) -> None:
@@ -111,17 +122,21 @@ def run_single(args: argparse.Namespace, console: Console) -> int:
 
 def run_sweep(args: argparse.Namespace, console: Console) -> int:
     from loadtest.demo import policy_run, sigterm_as_exit
-    from loadtest.simulator.fleet import SimFleet
+    from loadtest.sglang_cpu.harness import open_fleet
 
-    workload = build_workload(args)
+    error = check_engine_args(args)
+    if error:
+        console.print(f"[red]{error}[/]")
+        return 2
+    workload = engine_workload(args, build_workload(args))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     runs: list[RunResult] = []
-    ts = args.time_scale
-    with sigterm_as_exit(), SimFleet(args.replicas, profile=args.profile, time_scale=ts, seed=args.seed) as fleet:
+    base = dataclasses.replace(driver_config(args, "http://127.0.0.1"), time_scale=effective_time_scale(args))
+    with sigterm_as_exit(), open_fleet(args, args.profile, None) as fleet:
         for policy in policies:
             for c in levels:
-                config = dataclasses.replace(driver_config(args, "http://127.0.0.1"), sessions_concurrent=c)
+                config = dataclasses.replace(base, sessions_concurrent=c)
                 runs.append(policy_run(policy, fleet.urls, workload, config, f"{policy} c={c}", console,
                                        args.gpus_per_replica, args.gateway_arg))
     console.print(sweep_table(runs))

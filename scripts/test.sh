@@ -33,6 +33,9 @@ bash tools/ops/install.sh
 echo "== installing the peer routers (sglang-router 0.3.2, smg 1.13.0) into .venv-peers/"
 bash loadtest/peers/install.sh
 
+echo "== installing aiperf and inference-perf (cached per machine; tests/loadtest/test_bench_tools.py)"
+bash tools/bench/install.sh
+
 echo "== static checks (ruff, mypy --strict)"
 $PY -m ruff check gateway policies prefix_index replicas loadtest
 $PY -m mypy --strict gateway policies prefix_index replicas loadtest

@@ -10,20 +10,9 @@ ROOT="${1:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 PEERS="$ROOT/.venv-peers"
 PYTHON="${PYTHON:-python3}"
 
-install_peer() {  # name package version
-    local name="$1" package="$2" version="$3" venv="$PEERS/$1"
-    if [ -x "$venv/bin/python" ] && "$venv/bin/python" -m pip show "$package" 2>/dev/null \
-            | grep -qx "Version: $version"; then
-        echo "peers: $name already has $package==$version ($venv)"
-        return 0
-    fi
-    echo "peers: installing $package==$version into $venv"
-    "$PYTHON" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$package==$version"
-    "$venv/bin/python" -m pip show "$package" | grep -x "Version: $version" >/dev/null
-    echo "peers: $name ready"
-}
+# shellcheck source=../../tools/bench/pinned_venv.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../../tools/bench/pinned_venv.sh"
 
 mkdir -p "$PEERS"
-install_peer sglang-router sglang-router 0.3.2
-install_peer smg smg 1.13.0
+install_pinned peers "$PEERS/sglang-router" sglang-router 0.3.2 "$PYTHON"
+install_pinned peers "$PEERS/smg" smg 1.13.0 "$PYTHON"

@@ -5,4 +5,9 @@
 - :mod:`.model`: the tiny model builder (runs inside the SGLang venv).
 - :mod:`.server`: launch command, environment, start/stop of one server's process tree.
 - :mod:`.cli`: ``kvgate sglang-cpu``.
+- :mod:`.harness`: ``--engine sim|sglang-cpu``, ``--api``, ``--replica-url`` of ``kvgate
+  loadtest sweep`` and ``kvgate bench peers``, and the workload scaling to the tiny model.
+
+``python -m loadtest.calibrate`` compares the simulated ``tiny-cpu`` replica with a real
+server request by request (docs/results-sglang-cpu.md).
 """

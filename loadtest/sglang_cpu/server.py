@@ -51,6 +51,7 @@ class ServerSpec:
     page_size: int | None = None
     kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557 (the PUB connects)
     served_model_name: str = SERVED_MODEL_NAME
+    extra_args: tuple[str, ...] = ()  # appended last, e.g. ("--max-running-requests", "4")
 
     def args(self, model_dir: Path) -> list[str]:
         args = ["--model-path", str(model_dir), "--served-model-name", self.served_model_name,
@@ -61,7 +62,7 @@ class ServerSpec:
         if self.kv_events_endpoint is not None:
             config = {"publisher": "zmq", "endpoint": self.kv_events_endpoint, "topic": "kv"}
             args += ["--kv-events-config", json.dumps(config)]
-        return args
+        return [*args, *self.extra_args]
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:

@@ -5,7 +5,9 @@ cached per machine); when they cannot be built the tests FAIL, never skip: a qui
 run deselects them with ``-m "not sglang_real"``. Two real servers are started once for
 this package (~30-50 s, ~2.1 GB RSS each; package scope, so they are stopped after its
 last test, not at the end of the whole run); one simulated replica with the matching
-``tiny-cpu`` profile serves the differential tests.
+``tiny-cpu`` profile serves the differential tests. A third real server, the spare of
+``sigterm_spare``, starts with them when a collected test asks for it (it is warm by
+the time that test runs: starting it later costs 60-90 s on a loaded 2-core machine).
 """
 from __future__ import annotations
 
@@ -30,7 +32,22 @@ def sglang_env() -> SGLangEnv:
 
 
 @pytest.fixture(scope="package")
-def real_servers(sglang_env: SGLangEnv,
+def early_spares(sglang_env: SGLangEnv, request: pytest.FixtureRequest,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SGLangServer]]:
+    """The spare a test may stop (fixture ``sigterm_spare``), started with the shared two
+    so that it is warm when that test comes, and only when such a test was collected."""
+    wanted = any("sigterm_spare" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    log_dir = tmp_path_factory.mktemp("sglang-spare")
+    spares = [SGLangServer(sglang_env, ServerSpec(port=free_port(), max_total_tokens=MAX_TOTAL_TOKENS),
+                           log_dir / "sglang-spare.log")] if wanted else []
+    for server in spares:
+        server.start()  # not waited for here
+    yield spares
+    stop_all(spares)
+
+
+@pytest.fixture(scope="package")
+def real_servers(sglang_env: SGLangEnv, early_spares: list[SGLangServer],
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SGLangServer]]:
     log_dir = tmp_path_factory.mktemp("sglang-real")
     servers = [SGLangServer(sglang_env, ServerSpec(port=free_port(), max_total_tokens=MAX_TOTAL_TOKENS),
@@ -38,6 +55,14 @@ def real_servers(sglang_env: SGLangEnv,
     start_all(servers)
     yield servers
     stop_all(servers)
+
+
+@pytest.fixture
+def sigterm_spare(early_spares: list[SGLangServer]) -> SGLangServer:
+    """A real server (not one of the shared two) that the test may SIGTERM or kill."""
+    (server,) = early_spares
+    server.wait_healthy()
+    return server
 
 
 @pytest.fixture(scope="package")
