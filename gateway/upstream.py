@@ -33,6 +33,7 @@ from typing import Protocol
 
 import aiohttp
 import httpx
+from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.upstream_config import UpstreamConfig
@@ -166,7 +167,8 @@ class AiohttpUpstream:
         session = self._session
         if session is None:
             session = self._session = self._make_session()
-        pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        # a CIMultiDict as aiohttp keeps it (repeated names kept in order): it is not converted again
+        pairs = CIMultiDict([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers])
         try:
             response = await session.post(self._url(replica, path), data=body, headers=pairs,
                                           allow_redirects=False, compress=None, chunked=None)

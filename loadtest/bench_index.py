@@ -18,20 +18,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import os
 import random
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis
 
 from loadtest.percentile import percentile
 from prefix_index.base import PrefixIndex, ReplicaCapacity, ReplicaId, SessionEntry
+from prefix_index.compact import CompactPrefixIndex
 from prefix_index.config import IndexConfig
 from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.redis_backend import RedisPrefixIndex
@@ -39,39 +43,49 @@ from prefix_index.redis_backend import RedisPrefixIndex
 
 @dataclass(frozen=True)
 class IndexWorkload:
+    """Chains are made on demand from per-replica seeds (at 512 replicas x 6M tokens the
+    fill is 48M block hashes: kept as Python ints they would outweigh the index)."""
+
     replicas: list[ReplicaId]
     capacity: ReplicaCapacity
-    fills: dict[ReplicaId, list[list[int]]]  # chains to record, oldest first
+    shared: list[int]
+    chain_blocks: int
     request: list[int]
     sessions: list[list[int]]  # conversations for decisions: shared prompt + own blocks
+    seed: int = 0
+
+    def fills(self, i: int) -> Iterator[list[int]]:
+        """Replica ``i``'s chains to record, oldest first: random chains behind the shared
+        prompt up to its capacity, then (replicas 0-3) a prefix of the request."""
+        rng = np.random.default_rng([self.seed, i])
+        total = self.capacity.device_blocks + self.capacity.host_blocks
+        held, k = 0, len(self.shared)
+        while held < total:
+            n = max(min(self.chain_blocks, total - held + k), k + 1)  # at least one own block
+            yield self.shared + rng.integers(0, 2**64, size=n - k, dtype=np.uint64, endpoint=False).tolist()
+            held += n - k
+        partial = {0: self.chain_blocks, 1: 1000, 2: 500, 3: 200}.get(i)
+        if partial:
+            yield self.request[:partial]
 
 
 def make_workload(
-    n_replicas: int, blocks_per_replica: int, chain_blocks: int, n_sessions: int = 100, seed: int = 0
+    n_replicas: int, blocks_per_replica: int, chain_blocks: int, n_sessions: int = 100, seed: int = 0,
+    host_blocks_per_replica: int = 0,
 ) -> IndexWorkload:
     rng = random.Random(seed)
     shared = [rng.getrandbits(64) for _ in range(64)]
     request = shared + [rng.getrandbits(64) for _ in range(chain_blocks - len(shared))]
     replicas = [ReplicaId(f"http://10.0.0.{i}:30000") for i in range(n_replicas)]
-    fills: dict[ReplicaId, list[list[int]]] = {}
-    for i, rid in enumerate(replicas):
-        chains, held = [], 0
-        while held < blocks_per_replica:
-            n = min(chain_blocks, blocks_per_replica - held + len(shared))
-            chains.append(shared + [rng.getrandbits(64) for _ in range(n - len(shared))])
-            held += n - len(shared)
-        partial = {0: chain_blocks, 1: 1000, 2: 500, 3: 200}.get(i)
-        if partial:
-            chains.append(request[:partial])
-        fills[rid] = chains
     sessions = [shared + [rng.getrandbits(64) for _ in range(chain_blocks - len(shared))] for _ in range(n_sessions)]
-    return IndexWorkload(replicas, ReplicaCapacity(blocks_per_replica, 0), fills, request, sessions)
+    capacity = ReplicaCapacity(blocks_per_replica, host_blocks_per_replica)
+    return IndexWorkload(replicas, capacity, shared, chain_blocks, request, sessions, seed)
 
 
 async def populate(index: PrefixIndex, w: IndexWorkload) -> None:
-    for rid in w.replicas:
+    for i, rid in enumerate(w.replicas):
         await index.set_capacity(rid, w.capacity)
-        for chain in w.fills[rid]:
+        for chain in w.fills(i):
             await index.record(rid, chain)
 
 
@@ -136,7 +150,9 @@ async def time_decisions(index: PrefixIndex, w: IndexWorkload, n: int, turn_bloc
 
 def _decision_stats(d: Decisions) -> dict[str, float]:
     return {"decision_p50_us": _pct(d.wall, 0.5) * 1e6, "decision_p99_us": _pct(d.wall, 0.99) * 1e6,
-            "decision_cpu_p50_us": _pct(d.cpu, 0.5) * 1e6, "decisions_per_s": d.per_s,
+            "decision_max_us": max(d.wall, default=0.0) * 1e6,
+            "decision_cpu_p50_us": _pct(d.cpu, 0.5) * 1e6, "decision_cpu_p99_us": _pct(d.cpu, 0.99) * 1e6,
+            "decision_cpu_max_us": max(d.cpu, default=0.0) * 1e6, "decisions_per_s": d.per_s,
             "prefix_kept": d.kept}
 
 
@@ -158,25 +174,50 @@ def _redis_cpu(client: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-async def bench_memory(w: IndexWorkload, n: int, turn_blocks: int) -> dict[str, float]:
+EMBEDDED: dict[str, Callable[[], PrefixIndex]] = {"memory": MemoryPrefixIndex, "compact": CompactPrefixIndex}
+
+
+async def bench_embedded(backend: str, w: IndexWorkload, n: int, turn_blocks: int,
+                         freeze: bool) -> dict[str, float]:
+    """Fill, then time lookups and decisions; RSS is the process's growth over the fill
+    (``freeze``: ``gc.freeze()`` after it, as a gateway would after start-up)."""
+    gc.collect()
     rss0, t0 = _rss_bytes(), time.perf_counter()
-    index = MemoryPrefixIndex()
+    index = EMBEDDED[backend]()
     await populate(index, w)
-    fill_s, rss = time.perf_counter() - t0, _rss_bytes() - rss0
+    fill_s = time.perf_counter() - t0
+    gc.collect()
+    if freeze:
+        gc.freeze()
+    rss = _rss_bytes() - rss0
+    blocks = w.capacity.device_blocks + w.capacity.host_blocks
     wall, cpu = await time_lookups(index, w, n)
-    return {"fill_s": fill_s, "rss_mb": rss / 2**20, **_lookup_stats(wall, cpu),
-            **_decision_stats(await time_decisions(index, w, n, turn_blocks))}
+    out = {"fill_s": fill_s, "rss_mb": rss / 2**20, "bytes_per_block": rss / max(blocks * len(w.replicas), 1),
+           **_lookup_stats(wall, cpu), **_decision_stats(await time_decisions(index, w, n, turn_blocks))}
+    del index
+    gc.unfreeze()
+    gc.collect()
+    return out
 
 
 def _lookup_stats(wall: list[float], cpu: list[float]) -> dict[str, float]:
     return {"p50_us": _pct(wall, 0.5) * 1e6, "p99_us": _pct(wall, 0.99) * 1e6,
-            "cpu_p50_us": _pct(cpu, 0.5) * 1e6, "cpu_p99_us": _pct(cpu, 0.99) * 1e6}
+            "max_us": max(wall, default=0.0) * 1e6,
+            "cpu_p50_us": _pct(cpu, 0.5) * 1e6, "cpu_p99_us": _pct(cpu, 0.99) * 1e6,
+            "cpu_max_us": max(cpu, default=0.0) * 1e6}
 
 
 def _redis_usec(client: redis.Redis) -> float:
     """Microseconds the server spent in commands since the last CONFIG RESETSTAT."""
     stats = client.info("commandstats")
     return sum(float(v["usec"]) for k, v in stats.items() if k != "cmdstat_config")
+
+
+def _redis_calls(client: redis.Redis) -> float:
+    """Commands the server ran since the last CONFIG RESETSTAT (one round trip each unless
+    pipelined: write-behind batches several into one)."""
+    stats = client.info("commandstats")
+    return sum(float(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_config", "cmdstat_info"))
 
 
 async def _redis_decisions(
@@ -195,6 +236,7 @@ async def _redis_decisions(
     dec = await time_decisions(idx, w, n, turn_blocks, seed, after_first_turns=first_turns_done)
     await idx.flush()
     return {**_decision_stats(dec), **first, "redis_us_per_decision": _redis_usec(client) / n,
+            "redis_commands_per_decision": _redis_calls(client) / n,
             "redis_cpu_us_per_decision": (_redis_cpu(client) - cpu0[0]) / n * 1e6}
 
 
@@ -205,7 +247,9 @@ async def bench_redis(w: IndexWorkload, n: int, url: str, turn_blocks: int) -> d
     index = RedisPrefixIndex(base)
     t0 = time.perf_counter()
     await populate(index, w)
-    fill = {"fill_s": time.perf_counter() - t0, "used_memory_mb": int(client.info("memory")["used_memory"]) / 2**20}
+    used = int(client.info("memory")["used_memory"])
+    blocks = (w.capacity.device_blocks + w.capacity.host_blocks) * len(w.replicas)
+    fill = {"fill_s": time.perf_counter() - t0, "used_memory_mb": used / 2**20, "bytes_per_block": used / blocks}
     results: dict[str, dict[str, float]] = {}
     for mode, exact in (("redis", False), ("redis-exact", True)):
         idx = RedisPrefixIndex(base.model_copy(update={"redis_exact_match": exact}))
@@ -230,7 +274,10 @@ async def bench_redis(w: IndexWorkload, n: int, url: str, turn_blocks: int) -> d
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--tokens-per-replica", type=int, default=2_000_000)
+    parser.add_argument("--tokens-per-replica", type=int, default=2_000_000, help="device KV tokens per replica")
+    parser.add_argument("--host-tokens-per-replica", type=int, default=0, help="host (HiCache) KV tokens per replica")
+    parser.add_argument("--backends", default="memory,compact", help="embedded backends to measure")
+    parser.add_argument("--no-gc-freeze", action="store_true", help="do not gc.freeze() after the fill")
     parser.add_argument("--block-tokens", type=int, default=64)
     parser.add_argument("--chain-blocks", type=int, default=1500, help="request size in blocks (1,500 = ~100k tokens)")
     parser.add_argument("--iterations", type=int, default=2000, help="lookups, and decisions, per backend")
@@ -241,16 +288,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    w = make_workload(args.replicas, args.tokens_per_replica // args.block_tokens, args.chain_blocks, args.sessions)
-    print(f"index: {args.replicas} replicas x {args.tokens_per_replica // args.block_tokens} blocks; "
-          f"request: {len(w.request)} blocks; {args.iterations} lookups")
+    if args.chain_blocks <= 64:
+        raise SystemExit("--chain-blocks must exceed the 64-block shared prompt")
+    bt = args.block_tokens
+    w = make_workload(args.replicas, args.tokens_per_replica // bt, args.chain_blocks, args.sessions,
+                      host_blocks_per_replica=args.host_tokens_per_replica // bt)
+    print(f"index: {args.replicas} replicas x ({w.capacity.device_blocks} device + {w.capacity.host_blocks} host) "
+          f"blocks; request: {len(w.request)} blocks; {args.iterations} lookups")
     n, turn = args.iterations, args.turn_blocks
-    results = {"memory": asyncio.run(bench_memory(w, n, turn))}
+    results: dict[str, dict[str, float]] = {}
+    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        t0 = time.perf_counter()
+        results[backend] = asyncio.run(bench_embedded(backend, w, n, turn, not args.no_gc_freeze))
+        results[backend]["bench_s"] = time.perf_counter() - t0
     if not args.skip_redis:
         results.update(_with_redis(args.redis_url, lambda url: asyncio.run(bench_redis(w, n, url, turn))))
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for name, res in results.items():
         print(f"{name:11s} " + "  ".join(f"{k}={v:,.1f}" for k, v in res.items()))
-    if "redis" in results:
+    print(f"load average {load}")
+    if "redis" in results and "memory" in results:
         mem, red = results["memory"], results["redis"]
         print(f"lookup: redis adds p50 {red['p50_us'] - mem['p50_us']:,.0f} us wall over memory; "
               f"redis server {red['redis_us_per_lookup']:,.0f} us + client CPU {red['cpu_p50_us']:,.0f} us "

@@ -76,7 +76,7 @@ from policies.placement import is_new_conversation
 from policies.ttft_cost import (
     CacheAwareParams,
     TtftEstimate,
-    estimate,
+    estimates,
     home_replica,
     resident_fraction,
     score_floor_s,
@@ -88,22 +88,56 @@ NAME = "cache-aware"
 DEFAULT_WEIGHTS = {"ttft": 1.0, "new-session": 0.15}
 
 
+class EstimateMemo:
+    """The estimates of the decision in progress, from the scorer to the explainer.
+
+    The cost model is evaluated once per candidate per decision: `TtftScorer` stores its
+    estimates here and `CacheAwareExplainer` takes them back when it is called for the
+    same decision (the very same ``ctx``, ``inputs`` and ``candidates`` objects, which the
+    pipeline passes to both, synchronously). Both are pure functions of those arguments,
+    so reusing the scorer's values changes nothing; on any other call the explainer
+    computes them itself. ``take`` empties the memo, so it holds one decision at most.
+    """
+
+    __slots__ = ("_estimates", "_key")
+
+    def __init__(self) -> None:
+        self._key: tuple[object, object, object] | None = None
+        self._estimates: dict[ReplicaId, TtftEstimate] = {}
+
+    def put(self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView],
+            values: Sequence[TtftEstimate]) -> None:
+        self._key = (ctx, inputs, candidates)
+        self._estimates = {e.replica: e for e in values}
+
+    def take(self, ctx: RequestContext, inputs: RoutingInputs,
+             candidates: Sequence[ReplicaView]) -> dict[ReplicaId, TtftEstimate] | None:
+        key, values = self._key, self._estimates
+        self._key, self._estimates = None, {}
+        if key is None or key[0] is not ctx or key[1] is not inputs or key[2] is not candidates:
+            return None
+        return values
+
+
 class TtftScorer:
     """Score = (best + floor) / (cost + floor): 1.0 for the lowest estimated TTFT."""
 
     name = "ttft"
 
-    def __init__(self, params: CacheAwareParams) -> None:
+    def __init__(self, params: CacheAwareParams, memo: EstimateMemo | None = None) -> None:
         self.params = params
+        self.memo = memo
 
     def score(
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> dict[ReplicaId, float]:
         home = home_replica(inputs, candidates)
-        estimates = [estimate(ctx, inputs, c, home, self.params) for c in candidates]
+        estimates_ = estimates(ctx, inputs, candidates, home, self.params)
+        if self.memo is not None:
+            self.memo.put(ctx, inputs, candidates, estimates_)
         # one-shot requests: the prefill every candidate pays is no choice, judge ties on the rest
-        common = 0.0 if ctx.session.session else min((e.prefill_s for e in estimates), default=0.0)
-        costs = {e.replica: e.total_s - common for e in estimates}
+        common = 0.0 if ctx.session.session else min((e.prefill_s for e in estimates_), default=0.0)
+        costs = {e.replica: e.total_s - common for e in estimates_}
         best = min(costs.values(), default=0.0)
         floor = score_floor_s(self.params)
         return {
@@ -143,8 +177,9 @@ class CacheAwareExplainer:
 
     name = "cache-aware"
 
-    def __init__(self, params: CacheAwareParams) -> None:
+    def __init__(self, params: CacheAwareParams, memo: EstimateMemo | None = None) -> None:
         self.params = params
+        self.memo = memo
 
     def explain(
         self,
@@ -154,10 +189,12 @@ class CacheAwareExplainer:
         chosen: ReplicaId,
     ) -> Explanation:
         home = home_replica(inputs, candidates)
-        view = next(c for c in candidates if c.id == chosen)
-        mine = estimate(ctx, inputs, view, home, self.params)
+        known = self.memo.take(ctx, inputs, candidates) if self.memo is not None else None
+        if known is None:  # not the scorer's decision: evaluate the model here (once per replica)
+            known = {e.replica: e for e in estimates(ctx, inputs, candidates, home, self.params)}
+        mine = known[chosen]
         return Explanation(
-            self._reason(ctx, inputs, candidates, chosen, home, mine),
+            self._reason(ctx, inputs, candidates, chosen, home, mine, known),
             mine.cached_tokens,
             mine.uncached_tokens,
         )
@@ -170,6 +207,7 @@ class CacheAwareExplainer:
         chosen: ReplicaId,
         home: ReplicaId | None,
         mine: TtftEstimate,
+        known: dict[ReplicaId, TtftEstimate],
     ) -> str:
         if len(candidates) == 1:
             return "only-one"
@@ -178,9 +216,7 @@ class CacheAwareExplainer:
         parent = inputs.parent_session
         if inputs.session is None and parent is not None and parent.replica == chosen:
             return "parent"
-        best_cached = max(
-            estimate(ctx, inputs, c, None, self.params).cached_tokens for c in candidates
-        )
+        best_cached = max(e.cached_tokens for e in known.values())  # cached tokens ignore home
         if mine.cached_tokens > 0 and mine.cached_tokens >= best_cached:
             return "prefix"
         if is_new_session(inputs):
@@ -193,12 +229,13 @@ def build(params: Mapping[str, Any] | None, seed: int | None) -> Pipeline:
     if p.prefill_tokens_per_s <= 0 or p.host_load_tokens_per_s <= 0:
         raise ValueError(f"policy {NAME!r}: throughputs must be > 0")
     weights = parse_weights(params, DEFAULT_WEIGHTS, NAME)
+    memo = EstimateMemo()
     return Pipeline(
         NAME,
         filters=standard_filters(),
-        scorers=[(TtftScorer(p), weights["ttft"]), (NewSessionScorer(p), weights["new-session"])],
+        scorers=[(TtftScorer(p, memo), weights["ttft"]), (NewSessionScorer(p), weights["new-session"])],
         picker=MaxScorePicker(tolerance=p.tie_tolerance, random_ties=True),
-        explainer=CacheAwareExplainer(p),
+        explainer=CacheAwareExplainer(p, memo),
         seed=seed,
         resident_window_s=p.resident_window_s,
     )

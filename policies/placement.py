@@ -69,14 +69,42 @@ def shared_prefix_tokens(ctx: RequestContext, inputs: RoutingInputs) -> int:
     return min(best * ctx.block_tokens, max(ctx.est_prompt_tokens, 0))
 
 
-def excess_resident_tokens(inputs: RoutingInputs, view: ReplicaView) -> float:
-    """The replica's resident working set above the candidates' mean (0 when at or below)."""
+def mean_resident_tokens(inputs: RoutingInputs) -> float | None:
+    """The snapshot's mean resident working set per replica (None without replicas)."""
     resident = inputs.resident_tokens
     ids = [r.id for r in inputs.replicas]
     if not ids:
+        return None
+    return sum(resident.get(r, 0) for r in ids) / len(ids)
+
+
+def excess_resident_tokens(inputs: RoutingInputs, view: ReplicaView) -> float:
+    """The replica's resident working set above the candidates' mean (0 when at or below)."""
+    mean = mean_resident_tokens(inputs)
+    return 0.0 if mean is None else max(inputs.resident_tokens.get(view.id, 0) - mean, 0.0)
+
+
+def spread_mean(
+    ctx: RequestContext, inputs: RoutingInputs, weight: float, max_shared_tokens: int
+) -> float | None:
+    """The mean resident working set when the placement term applies to this request, else
+    None (the term is 0 everywhere). Computed once per decision: the per-replica part is
+    `spread_term_s` (the mean and the longest match are the same for every candidate)."""
+    if weight <= 0 or not is_new_conversation(ctx, inputs):
+        return None
+    if not 0 < shared_prefix_tokens(ctx, inputs) <= max_shared_tokens:
+        return None
+    return mean_resident_tokens(inputs)
+
+
+def spread_term_s(
+    inputs: RoutingInputs, view: ReplicaView, mean: float | None, weight: float,
+    prefill_tokens_per_s: float,
+) -> float:
+    """The placement term on ``view`` given `spread_mean`'s answer."""
+    if mean is None:
         return 0.0
-    mean = sum(resident.get(r, 0) for r in ids) / len(ids)
-    return max(resident.get(view.id, 0) - mean, 0.0)
+    return weight * max(inputs.resident_tokens.get(view.id, 0) - mean, 0.0) / prefill_tokens_per_s
 
 
 def spread_s(
@@ -88,8 +116,5 @@ def spread_s(
     max_shared_tokens: int,
 ) -> float:
     """The placement term (seconds) of starting a new session on ``view`` (0 otherwise)."""
-    if weight <= 0 or not is_new_conversation(ctx, inputs):
-        return 0.0
-    if not 0 < shared_prefix_tokens(ctx, inputs) <= max_shared_tokens:
-        return 0.0
-    return weight * excess_resident_tokens(inputs, view) / prefill_tokens_per_s
+    mean = spread_mean(ctx, inputs, weight, max_shared_tokens)
+    return spread_term_s(inputs, view, mean, weight, prefill_tokens_per_s)

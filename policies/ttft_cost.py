@@ -51,9 +51,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.base import RequestContext, RoutingInputs
-from policies.placement import spread_s
+from policies.placement import spread_mean, spread_term_s
 from prefix_index.base import PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
+
+_NO_MATCH = PrefixMatch()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,13 @@ def parent_tokens(
     ctx: RequestContext, inputs: RoutingInputs, replica: ReplicaId, p: CacheAwareParams
 ) -> int:
     """Tokens assumed cached on the parent's replica for a subagent's first turn."""
+    return _parent_tokens(ctx, inputs, replica, p, any(m.blocks for m in inputs.matches.values()))
+
+
+def _parent_tokens(
+    ctx: RequestContext, inputs: RoutingInputs, replica: ReplicaId, p: CacheAwareParams,
+    any_match: bool,
+) -> int:
     parent = inputs.parent_session
     if (
         inputs.session is not None
@@ -128,7 +137,7 @@ def parent_tokens(
         or ctx.block_tokens <= 0
     ):
         return 0
-    if any(m.blocks for m in inputs.matches.values()):
+    if any_match:
         return 0  # the index knows a prefix somewhere: real matches decide
     shared = int(min(ctx.est_prompt_tokens, parent.tokens) * p.parent_prefix_fraction)
     return shared // ctx.block_tokens * ctx.block_tokens
@@ -180,22 +189,51 @@ def _externality_s(
 
 
 def _cached_tokens(ctx: RequestContext, inputs: RoutingInputs, replica: ReplicaId) -> int:
-    match = inputs.matches.get(replica, PrefixMatch())
+    match = inputs.matches.get(replica, _NO_MATCH)
     cached = (match.device_blocks + match.host_blocks) * ctx.block_tokens
     return min(cached, max(ctx.est_prompt_tokens, 0))
 
 
 def _affinity_s(
-    ctx: RequestContext,
-    inputs: RoutingInputs,
-    view: ReplicaView,
-    home: ReplicaId | None,
+    ctx: RequestContext, inputs: RoutingInputs, view: ReplicaView, terms: RequestTerms,
     p: CacheAwareParams,
 ) -> float:
-    if home is None or view.id == home:
+    if terms.home is None or view.id == terms.home:
         return 0.0
-    abandoned = _cached_tokens(ctx, inputs, home) - _cached_tokens(ctx, inputs, view.id)
+    abandoned = terms.home_cached - _cached_tokens(ctx, inputs, view.id)
     return p.move_margin_s + p.abandon_weight * max(abandoned, 0) / p.prefill_tokens_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTerms:
+    """What every candidate's estimate shares, computed once per decision (`request_terms`),
+    so a decision evaluates the model once per replica: O(N), not O(N^2) (the longest
+    match, the mean working set and "any match anywhere" are fleet-wide)."""
+
+    home: ReplicaId | None
+    home_cached: int  # tokens the index says the session's replica holds (affinity)
+    any_match: bool  # some replica holds a prefix (the subagent's parent guess is off)
+    spread_mean: float | None  # the placement term's mean working set (None: no term)
+
+
+def request_terms(
+    ctx: RequestContext, inputs: RoutingInputs, home: ReplicaId | None, p: CacheAwareParams
+) -> RequestTerms:
+    return RequestTerms(
+        home=home,
+        home_cached=_cached_tokens(ctx, inputs, home) if home is not None else 0,
+        any_match=any(m.blocks for m in inputs.matches.values()),
+        spread_mean=spread_mean(ctx, inputs, p.spread_weight, p.placement_max_shared_tokens),
+    )
+
+
+def estimates(
+    ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView],
+    home: ReplicaId | None, p: CacheAwareParams,
+) -> list[TtftEstimate]:
+    """`estimate` for every candidate, sharing the request's terms (one pass)."""
+    terms = request_terms(ctx, inputs, home, p)
+    return [estimate(ctx, inputs, c, home, p, terms) for c in candidates]
 
 
 def estimate(
@@ -204,14 +242,17 @@ def estimate(
     view: ReplicaView,
     home: ReplicaId | None,
     p: CacheAwareParams,
+    terms: RequestTerms | None = None,
 ) -> TtftEstimate:
-    """The TTFT estimate of routing this request to ``view`` (pure)."""
+    """The TTFT estimate of routing this request to ``view`` (pure). ``terms``: the
+    request's shared terms for this ``home`` (`request_terms`), computed when omitted."""
+    t = terms if terms is not None and terms.home == home else request_terms(ctx, inputs, home, p)
     prompt = max(ctx.est_prompt_tokens, 0)
-    match = inputs.matches.get(view.id, PrefixMatch())
+    match = inputs.matches.get(view.id, _NO_MATCH)
     device = min(match.device_blocks * ctx.block_tokens, prompt)
     host = min(match.host_blocks * ctx.block_tokens, prompt - device)
     if device + host == 0:
-        device = min(parent_tokens(ctx, inputs, view.id, p), prompt)
+        device = min(_parent_tokens(ctx, inputs, view.id, p, t.any_match), prompt)
     uncached = prompt - device - host
     waiting = max(view.pending_prefill_tokens, view.reported_waiting_uncached_tokens)
     return TtftEstimate(
@@ -222,10 +263,9 @@ def estimate(
         queue_s=waiting / p.prefill_tokens_per_s,
         interference_s=_interference_s(view, uncached, p),
         eviction_s=_eviction_s(ctx, inputs, view, p),
-        affinity_s=_affinity_s(ctx, inputs, view, home, p),
+        affinity_s=_affinity_s(ctx, inputs, view, t, p),
         externality_s=_externality_s(uncached, inputs, view, p),
-        placement_s=spread_s(ctx, inputs, view, p.spread_weight, p.prefill_tokens_per_s,
-                             p.placement_max_shared_tokens),
+        placement_s=spread_term_s(inputs, view, t.spread_mean, p.spread_weight, p.prefill_tokens_per_s),
     )
 
 

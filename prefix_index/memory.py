@@ -47,9 +47,8 @@ from prefix_index.base import (
     PrefixMatch,
     ReplicaCapacity,
     ReplicaId,
-    SessionEntry,
 )
-from prefix_index.session_table import DEFAULT_MAX_SESSIONS, SessionTable
+from prefix_index.session_table import DEFAULT_MAX_SESSIONS, SessionMethods, SessionTable
 
 DEFAULT_CAPACITY = ReplicaCapacity(device_blocks=16384, host_blocks=0)
 """Used until ``set_capacity``: 16,384 blocks x 64 tokens = 1M tokens of device KV, a
@@ -85,7 +84,7 @@ def _run(hashes: Sequence[BlockHash], lo: int, hi: int, present: Callable[[Block
     return bisect_left(hashes, True, lo, hi, key=lambda h: not present(h))
 
 
-class MemoryPrefixIndex:
+class MemoryPrefixIndex(SessionMethods):
     """The embedded backend (default). Implements ``prefix_index.base.PrefixIndex``."""
 
     def __init__(
@@ -167,12 +166,6 @@ class MemoryPrefixIndex:
                 host[s] = host.get(s, 0) + stop - start
         return host
 
-    async def get_session(self, key: str) -> SessionEntry | None:
-        return self.sessions.get(key)
-
-    async def resident_tokens(self, now_s: float, window_s: float) -> dict[ReplicaId, int]:
-        return self.sessions.resident(now_s, window_s)
-
     async def stats(self) -> IndexStats:
         return IndexStats(
             device_blocks={rid: len(st.device) for rid, st in self._replicas.items()},
@@ -240,9 +233,6 @@ class MemoryPrefixIndex:
                 self._clear(h, st.present_bit)
             self._free_slots.append(st.slot)
         self.sessions.drop_replica(replica)
-
-    async def set_session(self, key: str, entry: SessionEntry) -> None:
-        self.sessions.set(key, entry)
 
     async def close(self) -> None:
         return None

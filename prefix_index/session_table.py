@@ -144,3 +144,19 @@ class SessionTable:
             self._old.pop(key, None)
         if not self._old and not self._new:  # empty: order and sums start afresh
             self._ordered, self._last_seen, self._sums, self._window = True, float("-inf"), {}, None
+
+
+class SessionMethods:
+    """The session half of ``PrefixIndex`` for an embedded backend whose ``sessions`` is a
+    ``SessionTable`` (the memory and compact backends share it)."""
+
+    sessions: SessionTable
+
+    async def get_session(self, key: str) -> SessionEntry | None:
+        return self.sessions.get(key)
+
+    async def set_session(self, key: str, entry: SessionEntry) -> None:
+        self.sessions.set(key, entry)
+
+    async def resident_tokens(self, now_s: float, window_s: float) -> dict[ReplicaId, int]:
+        return self.sessions.resident(now_s, window_s)

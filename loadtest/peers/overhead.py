@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -125,7 +126,8 @@ def case_rows(head: dict[str, Any], case: Case, s: Samples, opts: Options) -> li
         rows.append({**head, **dataclasses.asdict(case), "metric": metric, "n": s.requests,
                      "direct_p50_ms": (percentile(direct, 50) or 0.0) * 1e3,
                      "added_ms": {f"p{q:g}": e.scaled(1e3).as_dict() for q, e in zip(QS, added, strict=True)},
-                     "cpu_ms_per_request": s.cpu_s / s.requests * 1e3})
+                     "cpu_ms_per_request": s.cpu_s / s.requests * 1e3,
+                     "load_avg_1m": os.getloadavg()[0]})  # the machine is shared: read figures beside it
     return rows
 
 
@@ -217,7 +219,7 @@ def overhead_table(rows: Sequence[dict[str, Any]]) -> Table:
                   "per request; one replica, compute ~0", title_justify="left",
                   caption=UNSUPPORTED, caption_justify="left")
     cols = ("target", "body", "stream", "c", "metric", "n", "direct p50", *(f"added p{q:g}" for q in QS),
-            "CPU/request")
+            "CPU/request", "load")
     for col in cols:
         table.add_column(col, justify="left" if col in ("target", "body", "metric") else "right",
                          overflow="fold")
@@ -229,7 +231,7 @@ def overhead_table(rows: Sequence[dict[str, Any]]) -> Table:
         table.add_row(str(row["version"]), str(row["body"]), "yes" if row["stream"] else "no",
                       str(row["concurrency"]), str(row["metric"]), str(row["n"]),
                       f"{row['direct_p50_ms']:.2f}", *(_cell(added[f"p{q:g}"]) for q in QS),
-                      f"{row['cpu_ms_per_request']:.2f} ms")
+                      f"{row['cpu_ms_per_request']:.2f} ms", f"{row.get('load_avg_1m', float('nan')):.1f}")
     return table
 
 

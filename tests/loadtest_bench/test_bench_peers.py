@@ -12,9 +12,9 @@ from rich.console import Console
 
 from gateway.cli import main as kvgate_main
 from loadtest.bench_cmd import BENCHES, run_bench
-from loadtest.peers.targets import check_peers, kvgate_policy, parse_targets
 from loadtest.peers.run import PEERS, missing_peers, peer_command
 from loadtest.peers.summary import COUNTER, with_replica_side
+from loadtest.peers.targets import check_peers, kvgate_policy, parse_targets
 from loadtest.results import RequestRecord, RunResult, summarize
 
 METRICS = b"""# HELP sglang:num_requests_total Number of requests processed.

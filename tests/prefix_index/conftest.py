@@ -16,12 +16,13 @@ from prefix_index.base import (
     ReplicaId,
     SessionEntry,
 )
+from prefix_index.compact import CompactPrefixIndex
 from prefix_index.config import IndexConfig
 from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.redis_backend import RedisPrefixIndex
 from tests.support.redis_server import redis_server
 
-BACKENDS = ["memory", "redis", "redis-exact", "redis-write-behind"]
+BACKENDS = ["memory", "compact", "redis", "redis-exact", "redis-write-behind"]
 MakeIndex = Callable[..., Awaitable[PrefixIndex]]
 
 
@@ -70,6 +71,10 @@ async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[MakeIndex]
         if backend == "memory":
             index = MemoryPrefixIndex(cfg.session_ttl_s, ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks),
                                       max_sessions=cfg.max_sessions)
+        elif backend == "compact":
+            index = CompactPrefixIndex(cfg.session_ttl_s,
+                                       ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks),
+                                       max_sessions=cfg.max_sessions)
         else:
             url = request.getfixturevalue("redis_url")
             redis.Redis.from_url(url).flushdb()

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId
+from prefix_index.compact import CompactPrefixIndex
 from prefix_index.config import IndexConfig
 from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.redis_backend import RedisPrefixIndex
@@ -154,3 +155,15 @@ def test_redis_chain_search_behaves_like_the_model(
     redis_url: str, ops: list[tuple[object, ...]], probes: list[list[int]]
 ) -> None:
     _run_redis(redis_url, ops, probes, exact=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(op_st, max_size=25), probes=st.lists(hashes_st, min_size=1, max_size=3))
+def test_compact_backend_walk_behaves_like_the_model(ops: list[tuple[object, ...]], probes: list[list[int]]) -> None:
+    asyncio.run(_apply(CompactPrefixIndex(default_capacity=DEFAULT, assume_chains=False), Model(), ops, probes))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(chain_op_st, max_size=25), probes=st.lists(chain_st, min_size=1, max_size=3))
+def test_compact_backend_on_chains(ops: list[tuple[object, ...]], probes: list[list[int]]) -> None:
+    asyncio.run(_apply(CompactPrefixIndex(default_capacity=DEFAULT), Model(), ops, probes))
