@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway.api_agents import previous_response_id
+from gateway.bodies import read_body
 from gateway.context import build_context
 from gateway.errors import GatewayError, InvalidRequest, NoReplicaAvailable, NotFound, UpstreamError
 from gateway.proxy import PINNED
@@ -69,7 +70,8 @@ class AgentGateway(Protocol):
 
 
 _CREATED_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]+)"')
-SNIFF_LIMIT = 256 * 1024  # a response.created event is found in the stream's first bytes
+SNIFF_LIMIT = 256 * 1024
+CONTROL_BODY_LIMIT = 64 * 1024  # GET/DELETE/cancel of a response carry no real body  # a response.created event is found in the stream's first bytes
 
 
 class PreviousResponseNotFound(NotFound):
@@ -149,8 +151,12 @@ class ResponsesApi:
         client = request.client.host if request.client is not None else None
         headers = upstream_headers(request.headers.raw, self.header_policy, client, request.url.scheme)
         try:
+            body = await read_body(request, CONTROL_BODY_LIMIT)
+        except GatewayError as exc:
+            return error_response(exc, route_headers("none", PINNED), "responses")
+        try:
             answer = await self.client.request(request.method, f"{replica}{request.url.path}",
-                                               headers=headers, content=await request.body())
+                                               headers=headers, content=body)
         except httpx.HTTPError as exc:
             return error_response(UpstreamError(f"replica {replica} failed ({type(exc).__name__})"),
                                   route_headers(replica, PINNED), "responses")
@@ -177,8 +183,8 @@ def _relayed(answer: httpx.Response, replica: str, reason: str) -> Response:
 
 async def count_tokens(gateway: AgentGateway, request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: checked, then answered by a routable replica."""
-    body = await request.body()
     try:
+        body = await read_body(request, gateway.settings.hashing.max_body_bytes)
         build_context("count_tokens", body, request.headers, request.headers.get("content-type"),
                       gateway.settings)
     except GatewayError as exc:

@@ -46,8 +46,9 @@ from starlette.types import Receive
 
 from gateway import admin
 from gateway.api_routes import ResponsesApi, install_agent_routes, install_error_handlers
+from gateway.bodies import read_body
 from gateway.context import build_context
-from gateway.errors import GatewayError, PayloadTooLarge
+from gateway.errors import GatewayError
 from gateway.kv_wiring import attach_precise
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_document
@@ -94,21 +95,6 @@ def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None =
     for name in ("accept", "accept-encoding", "user-agent", "connection"):
         client.headers.pop(name, None)
     return client
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes without reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _client_gone(receive: Receive) -> None:

@@ -160,3 +160,21 @@ def test_client_credentials_are_not_forwarded() -> None:
     assert upstream_headers(raw) == [(b"anthropic-version", b"2023-06-01"), (b"x-forwarded-proto", b"http")]
     kept = upstream_headers(raw, HeaderPolicy(forward_authorization=True))
     assert (b"x-api-key", b"sk-ant") in kept and (b"authorization", b"Bearer sk") in kept
+
+
+async def test_count_tokens_and_control_bodies_are_bounded() -> None:
+    """The non-inference agent routes read their bodies within a bound too (413, in the
+    API's shape), nothing reaches a replica."""
+    from tests.gateway.test_app_unit import FakeFleet, gateway, ok_completion, settings_for
+
+    replica = "http://127.0.0.1:40021"
+    fleet = FakeFleet({replica: ok_completion})
+    s = settings_for([replica], hashing={"max_body_bytes": 4096})
+    big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 8000 + b'"}]}'
+    async with gateway(fleet, s) as client:
+        counted = await client.post("/v1/messages/count_tokens", content=big,
+                                    headers={"content-type": "application/json"})
+        cancel = await client.post("/v1/responses/resp_1/cancel", content=b"y" * (100 * 1024))
+    assert counted.status_code == 413 and counted.json()["type"] == "error", counted.text
+    assert cancel.status_code in (404, 413), cancel.text  # unknown id (404) or the body (413): never read whole
+    assert not fleet.seen
