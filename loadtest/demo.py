@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -47,6 +48,8 @@ from loadtest.workload import Session, Workload
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_DIRS = (ROOT.parent / "shared" / "traces" / "claude-code",)
 DEFAULT_PROFILE = "kimi-k2.6-b200-tp8"
+# --kv-events: each simulated replica binds its own free loopback port (port 0)
+KV_EVENTS_CONFIG = '{"publisher": "zmq", "endpoint": "tcp://*:0", "topic": "kv"}'
 
 
 class GatewayProcess:
@@ -127,13 +130,40 @@ def flush_caches(urls: Sequence[str], timeout_s: float = 60.0) -> None:
 
 def policy_run(policy: str, fleet_urls: Sequence[str], workload: Workload, config: DriverConfig,
                label: str, console: Console, gpus_per_replica: int = 8,
-               gateway_args: Sequence[str] = ()) -> RunResult:
-    """Flush the replicas, start a gateway with ``policy``, drive ``workload`` through it."""
+               gateway_args: Sequence[str] = (), show_predictions: bool = False) -> RunResult:
+    """Flush the replicas, start a gateway with ``policy``, drive ``workload`` through it;
+    ``show_predictions``: print how close the gateway's cached-token predictions were."""
     flush_caches(fleet_urls)
     with GatewayProcess(policy, fleet_urls, gateway_args) as gw:
         cfg = dataclasses.replace(config, target=gw.url)
-        return run_with_progress(workload, cfg, label, console, {"policy": policy},
-                                 replicas=len(fleet_urls), gpus_per_replica=gpus_per_replica)
+        run = run_with_progress(workload, cfg, label, console, {"policy": policy},
+                                replicas=len(fleet_urls), gpus_per_replica=gpus_per_replica)
+        if show_predictions:
+            metrics = httpx.get(gw.url + "/metrics", timeout=10.0, trust_env=False).text
+            console.print(f"{label}: {prediction_summary(metrics)}")
+        return run
+
+
+def prediction_summary(metrics_text: str) -> str:
+    """Per index mode, the share of requests whose predicted cached tokens were within 64
+    tokens of the reported ones (the gateway's ``kvgate_prediction_error_tokens``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "kvgate_prediction_error_tokens":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                buckets.setdefault(sample.labels["mode"], {})[float(sample.labels["le"])] = sample.value
+    parts = []
+    for mode in ("precise", "approximate"):
+        b = buckets.get(mode, {})
+        total = b.get(math.inf, 0.0)
+        if total:
+            within = b.get(64.0, 0.0) - b.get(-64.0, 0.0)
+            parts.append(f"{mode} {100 * within / total:.1f}% of {total:.0f}")
+    return "predicted cached tokens within 64 of the reported: " + (", ".join(parts) or "no reports")
 
 
 @contextlib.contextmanager
@@ -212,6 +242,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, default=None, help="Claude Code trace folder")
     parser.add_argument("--gpus-per-replica", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-events", action="store_true",
+                        help="replicas publish SGLang KV events: the gateways route in precise mode "
+                             "(docs/precise.md)")
     parser.add_argument("--json", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--chart", type=Path, default=None, help="write the charts PNG here")
 
@@ -227,11 +260,12 @@ def run(args: argparse.Namespace) -> int:
                           time_scale=args.time_scale, max_think_s=args.max_think_s,
                           ramp_s=args.ramp_s, duration_s=args.duration_s, grace_s=10.0, seed=args.seed)
     runs: list[RunResult] = []
+    events = ("--kv-events-config", KV_EVENTS_CONFIG) if args.kv_events else ()
     with sigterm_as_exit(), SimFleet(args.replicas, profile=profile, time_scale=args.time_scale,
-                                     seed=args.seed) as fleet:
+                                     seed=args.seed, extra_args=events) as fleet:
         for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
             runs.append(policy_run(policy, fleet.urls, workload, config, policy, console,
-                                   args.gpus_per_replica))
+                                   args.gpus_per_replica, show_predictions=True))
     console.print(summary_table(runs, "kvgate demo: same sessions, same replicas"))
     if args.json:
         results.write_json(args.json, runs)

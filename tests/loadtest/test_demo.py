@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import pytest
 
 from gateway.cli import main as kvgate_main
 from loadtest.demo import TRACE_DIRS, _max_prompt, demo_workload, scaled_profile
@@ -40,3 +43,18 @@ def test_sweep_through_real_gateways(tmp_path: Path) -> None:
     assert run["summary"]["requests"] == 12 and run["summary"]["errors"] == 0
     assert len(run["summary"]["replicas"]) == 2  # x-kvgate-replica seen, both replicas used
     assert png.stat().st_size > 10_000
+
+
+def test_demo_with_kv_events_predicts_from_the_events(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvgate demo --kv-events`: the simulated replicas publish KV events, the gateway
+    routes in precise mode, and its predictions match what the replicas report."""
+    out = tmp_path / "demo.json"
+    code = kvgate_main(["demo", "--kv-events", "--replicas", "2", "--sessions", "3", "--duration-s", "6",
+                        "--ramp-s", "1", "--policies", "cache-aware", "--json", str(out)])
+    assert code == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["summary"]["errors"] == 0 and run["summary"]["requests"] > 0
+    printed = " ".join(capsys.readouterr().out.split())
+    match = re.search(r"precise ([0-9.]+)% of (\d+)", printed)
+    assert match is not None, printed[-2000:]
+    assert int(match[2]) > 0 and float(match[1]) >= 95.0, match[0]
