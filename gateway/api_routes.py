@@ -40,7 +40,14 @@ from starlette.responses import Response, StreamingResponse
 from gateway.api_agents import previous_response_id
 from gateway.bodies import read_body
 from gateway.context import build_context
-from gateway.errors import GatewayError, InvalidRequest, NoReplicaAvailable, NotFound, UpstreamError
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    NoReplicaAvailable,
+    NotFound,
+    UpstreamError,
+    endpoint_of,
+)
 from gateway.proxy import PINNED
 from gateway.relay import (
     HeaderPolicy,
@@ -234,17 +241,12 @@ def install_agent_routes(app: FastAPI, gw: Callable[[Request], AgentGateway]) ->
     app.add_route("/v1/models/{model:path}", model, methods=["GET"], include_in_schema=False)
 
 
-def _api(request: Request) -> str:
-    """The endpoint whose error shape a request gets (Anthropic's under /v1/messages)."""
-    return "messages" if request.url.path.startswith("/v1/messages") else "chat"
-
-
 def install_error_handlers(app: FastAPI) -> None:
     """Errors outside the inference path (unknown route, wrong method, bugs), in the
     shape of the API the path belongs to."""
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
-        return error_response(exc, api=_api(request))
+        return error_response(exc, api=endpoint_of(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -253,16 +255,17 @@ def install_error_handlers(app: FastAPI) -> None:
             error = GatewayError(str(exc.detail))
             error.status = exc.status_code
             error.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return error_response(error, api=_api(request))
+        return error_response(error, api=endpoint_of(request.url.path))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         # reached only through Starlette's ServerErrorMiddleware, which logs the traceback
-        return error_response(GatewayError(f"internal gateway error ({type(exc).__name__})"), api=_api(request))
+        error = GatewayError(f"internal gateway error ({type(exc).__name__})")
+        return error_response(error, api=endpoint_of(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         return error_response(InvalidRequest(f"invalid request: {first.get('msg', exc)}", param=param),
-                              api=_api(request))
+                              api=endpoint_of(request.url.path))

@@ -29,6 +29,14 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
+def endpoint_of(path: str) -> str:
+    """The API a request path belongs to, as a ``RequestContext.endpoint`` (for the error
+    shapes of what is answered before, or without, a parsed request)."""
+    if path.startswith("/v1/messages"):
+        return "messages"
+    return "responses" if path.startswith("/v1/responses") else "chat"
+
+
 def api_of(endpoint: str) -> Api:
     """Whose error shapes an endpoint speaks (``RequestContext.endpoint`` values)."""
     return "anthropic" if endpoint in ANTHROPIC_ENDPOINTS else "openai"

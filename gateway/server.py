@@ -31,7 +31,7 @@ import orjson
 from uvicorn.server import Server
 
 from gateway.edge import Edge, EdgeServerState
-from gateway.errors import anthropic_error_body, api_of, error_body
+from gateway.errors import anthropic_error_body, api_of, endpoint_of, error_body
 from gateway.relay import sse_error
 
 if TYPE_CHECKING:
@@ -226,13 +226,6 @@ class GatewayServer(Server):
             task.cancel()
         while self.server_state.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-
-
-def endpoint_of(path: str) -> str:
-    """The API a path belongs to, as a ``RequestContext.endpoint`` for the error shapes."""
-    if path.startswith("/v1/messages"):
-        return "messages"
-    return "responses" if path.startswith("/v1/responses") else "chat"
 
 
 def edge_error(path: str, status: int, message: str, type_: str, code: str) -> bytes:
