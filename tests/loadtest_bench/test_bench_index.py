@@ -4,6 +4,7 @@ and both agree on what the index holds (the figures themselves are not asserted)
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -23,8 +24,11 @@ def test_workload_fills_each_replica_to_its_capacity_lazily() -> None:
 def test_bench_embedded_reports_every_figure(backend: str) -> None:
     w = make_workload(6, 400, 120, n_sessions=8, host_blocks_per_replica=400)
     out = asyncio.run(bench_embedded(backend, w, 20, 4, freeze=True))
-    for key in ("rss_mb", "p50_us", "p99_us", "max_us", "decision_p50_us", "decision_p99_us", "decision_max_us"):
+    for key in ("p50_us", "p99_us", "max_us", "decision_p50_us", "decision_p99_us", "decision_max_us"):
         assert out[key] >= 0.0
+    # RSS growth over the fill is signed: at this size the allocator may hand memory back
+    # (a clean-clone run measured -1.47 MB for compact)
+    assert math.isfinite(out["rss_mb"])
     assert out["prefix_kept"] == 1.0  # 8 short sessions fit: every turn finds its previous chain
 
 
