@@ -142,12 +142,11 @@ def real_fleet(replicas: int, max_total_tokens: int, page_size: int | None,
     import tempfile
 
     from loadtest.sglang_cpu.env import ensure_env
-    from loadtest.sglang_cpu.server import ServerSpec, SGLangServer, start_all, stop_all
-    from loadtest.simulator.fleet import free_port
+    from loadtest.sglang_cpu.server import AUTO_PORT, ServerSpec, SGLangServer, start_all, stop_all
 
     env = ensure_env()
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvgate-sglang-fleet-"))
-    servers = [SGLangServer(env, ServerSpec(port=free_port(), max_total_tokens=max_total_tokens,
+    servers = [SGLangServer(env, ServerSpec(port=AUTO_PORT, max_total_tokens=max_total_tokens,
                                             page_size=page_size), logs / f"sglang-{i}.log")
                for i in range(replicas)]
     start_all(servers)

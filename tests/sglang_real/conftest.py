@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 from loadtest.sglang_cpu.env import SGLangEnv, ensure_env
-from loadtest.sglang_cpu.server import ServerSpec, SGLangServer, start_all, stop_all
+from loadtest.sglang_cpu.server import AUTO_PORT, ServerSpec, SGLangServer, start_all, stop_all
 from loadtest.simulator.fleet import SimFleet
-from tests.support.procs import free_port
 
 MAX_TOTAL_TOKENS = 16384
 MODEL = "tiny-llama"
@@ -38,7 +37,7 @@ def early_spares(sglang_env: SGLangEnv, request: pytest.FixtureRequest,
     so that it is warm when that test comes, and only when such a test was collected."""
     wanted = any("sigterm_spare" in getattr(item, "fixturenames", ()) for item in request.session.items)
     log_dir = tmp_path_factory.mktemp("sglang-spare")
-    spares = [SGLangServer(sglang_env, ServerSpec(port=free_port(), max_total_tokens=MAX_TOTAL_TOKENS),
+    spares = [SGLangServer(sglang_env, ServerSpec(port=AUTO_PORT, max_total_tokens=MAX_TOTAL_TOKENS),
                            log_dir / "sglang-spare.log")] if wanted else []
     for server in spares:
         server.start()  # not waited for here
@@ -50,7 +49,7 @@ def early_spares(sglang_env: SGLangEnv, request: pytest.FixtureRequest,
 def real_servers(sglang_env: SGLangEnv, early_spares: list[SGLangServer],
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SGLangServer]]:
     log_dir = tmp_path_factory.mktemp("sglang-real")
-    servers = [SGLangServer(sglang_env, ServerSpec(port=free_port(), max_total_tokens=MAX_TOTAL_TOKENS),
+    servers = [SGLangServer(sglang_env, ServerSpec(port=AUTO_PORT, max_total_tokens=MAX_TOTAL_TOKENS),
                             log_dir / f"sglang-{i}.log") for i in range(2)]
     start_all(servers)
     yield servers

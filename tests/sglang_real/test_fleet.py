@@ -22,11 +22,10 @@ import pytest
 
 from loadtest.peers.run import running_peer
 from loadtest.sglang_cpu.env import SGLangEnv
-from loadtest.sglang_cpu.server import ServerSpec, SGLangServer
+from loadtest.sglang_cpu.server import AUTO_PORT, ServerSpec, SGLangServer
 from tests.integration.conftest import Gateway, start_gateway, wait_until
 from tests.sglang_real.conftest import MAX_TOTAL_TOKENS, MODEL, client
 from tests.sglang_real.test_routing import Session
-from tests.support.procs import free_port
 
 pytestmark = pytest.mark.sglang_real
 
@@ -50,7 +49,7 @@ def spare_server(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory
     free_kb = mem_available_kb()
     if free_kb < SPARE_MIN_FREE_KB:
         pytest.fail(f"not enough memory for a third real SGLang server: {free_kb // 1024} MB available")
-    server = SGLangServer(sglang_env, ServerSpec(port=free_port(), max_total_tokens=MAX_TOTAL_TOKENS),
+    server = SGLangServer(sglang_env, ServerSpec(port=AUTO_PORT, max_total_tokens=MAX_TOTAL_TOKENS),
                           tmp_path_factory.mktemp("sglang-spare") / "sglang-spare.log")
     server.start()
     yield server

@@ -22,11 +22,17 @@ import gateway.app as app_module
 from gateway.kv_wiring import PreciseMode, attach_precise
 from gateway.settings import load_settings
 from loadtest.sglang_cpu.env import SGLangEnv
-from loadtest.sglang_cpu.server import ServerSpec, SGLangServer, start_all, stop_all
+from loadtest.sglang_cpu.server import (
+    AUTO_PORT,
+    ServerSpec,
+    SGLangServer,
+    late_bind_port,
+    start_all,
+    stop_all,
+)
 from policies.base import RequestContext, SessionKeys
 from prefix_index.base import ReplicaId
 from tests.sglang_real.conftest import MODEL
-from tests.support.procs import free_port
 
 pytestmark = pytest.mark.sglang_real
 
@@ -39,8 +45,8 @@ TURNS = 6
 @pytest.fixture(scope="module")
 def servers(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SGLangServer]]:
     log_dir = tmp_path_factory.mktemp("sglang-precise")
-    started = [SGLangServer(sglang_env, ServerSpec(port=free_port(), max_total_tokens=POOL_TOKENS, page_size=page,
-                                                   kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+    started = [SGLangServer(sglang_env, ServerSpec(port=AUTO_PORT, max_total_tokens=POOL_TOKENS, page_size=page,
+                                                   kv_events_endpoint=f"tcp://127.0.0.1:{late_bind_port()}"),
                             log_dir / f"sglang-{i}.log") for i, page in enumerate(PAGES)]
     start_all(started)
     yield started
