@@ -35,6 +35,7 @@ from loadtest.fleetsim.precise import PreciseFleetIndex, SglangPages
 from loadtest.fleetsim.prompts import TEXT_CHARS_PER_BLOCK, SessionPrompt
 from loadtest.fleetsim.router import SimRouter
 from loadtest.fleetsim.sessions import Done, Pacing, start_closed_loop, start_open_loop
+from loadtest.fleetsim.tail import tail_breakdown
 from loadtest.simulator.clock import VirtualFleet
 from loadtest.simulator.engine import ReplicaEngine, RequestResult, SimRequest
 from loadtest.simulator.profile import Profile
@@ -246,7 +247,8 @@ class FleetRun:
         summary.update(policy=name, index=cfg.index_mode, prediction_within_page=self._prediction_share(),
                        wall_s=wall, cpu_s=time.process_time() - cpu0, load_polls=self.router.polls,
                        evicted_tokens=sum(s.evicted_tokens_total for s in stats),
-                       host_dropped_tokens=sum(s.host_dropped_tokens_total for s in stats))
+                       host_dropped_tokens=sum(s.host_dropped_tokens_total for s in stats),
+                       ttft_tail=tail_breakdown(self.records))
         return SimRunResult(self.policy.name, self.records, summary, wall)
 
 
