@@ -98,6 +98,9 @@ def test_flush_cache_then_next_turn(gateway: Gateway, real_urls: list[str], tmp_
     assert gateway.proc.popen.poll() is None
 
 
+LONG_REQUEST_TIMEOUT_S = 300.0
+
+
 def drain_observation(url: str, sigterm: Callable[[], None], proc: subprocess.Popen[bytes]) -> dict[str, Any]:
     """SIGTERM with a long request in flight: what /health, /ready, a new request and the
     in-flight one see, and whether the process exits once drained."""
@@ -105,13 +108,15 @@ def drain_observation(url: str, sigterm: Callable[[], None], proc: subprocess.Po
             "max_tokens": 600, "ignore_eos": True}
     seen: dict[str, Any] = {}
     with client(url) as c, ThreadPoolExecutor(1) as pool:
-        long_request = pool.submit(c.post, "/v1/chat/completions", json=body)
+        # 600 tokens take 15-30 s on a quiet 2-core machine and over 60 s at load ~10 (a
+        # clean-clone run timed out there): its bound is generous, it is not what is tested
+        long_request = pool.submit(c.post, "/v1/chat/completions", json=body, timeout=LONG_REQUEST_TIMEOUT_S)
         wait_until(lambda: c.get("/v1/loads").json()["loads"][0]["num_running_reqs"] >= 1, 20.0, "in flight")
         sigterm()
         wait_until(lambda: c.get("/ready").status_code == 503, 20.0, "/ready 503")
         seen["health"] = c.get("/health").status_code
         seen["new_request"] = c.post("/v1/chat/completions", json={**body, "max_tokens": 2}).status_code
-        done = long_request.result(timeout=120)
+        done = long_request.result(timeout=LONG_REQUEST_TIMEOUT_S + 10)
         seen["in_flight"] = (done.status_code, done.json()["usage"]["completion_tokens"])
     seen["exited"] = proc.wait(60) is not None
     return seen
