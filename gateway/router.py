@@ -18,6 +18,16 @@ read is replaced by an empty answer (no prefix match), the failed write is dropp
 affinity. (The Redis backend does not raise: it answers from its local copy, which also
 holds the other gateways' sessions, ``prefix_index/redis_sessions.py``.)
 
+Index writes and the first byte: ``routed`` is awaited before the proxy sends the
+request upstream, so the hooks' *local* effects (the router's session LRU, the routing
+core's resident set, a policy's own state, the embedded index) are in place before the
+next decision: concurrent requests see earlier decisions. The remote write is the
+backend's to defer: with ``index.redis_write_behind`` the Redis backend updates its local
+copy and its pending writes at once, queues the Redis write (bounded, pipelined by one
+task, flushed at shutdown: ``prefix_index/write_behind.py``) and returns without a round
+trip, and its reads merge the pending writes, so this gateway reads its own decisions
+before Redis has them. The embedded backends write in place (no I/O, nothing deferred).
+
 Precise mode (``gateway.kv_wiring``, set as ``Router.precise``): for the replicas that
 publish KV events, ``snapshot`` replaces the approximate matches with the event index's
 exact ones, in tokens (``policies.routing.merge_matches``), and the policy decides over a

@@ -18,6 +18,7 @@ replicas or sessions: they return empty answers.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType, Protocol, runtime_checkable
@@ -137,3 +138,12 @@ class PrefixIndex(Protocol):
 
     async def close(self) -> None:
         ...
+
+
+def common_chain_prefix(a: Sequence[BlockHash] | Sequence[int], b: Sequence[BlockHash] | Sequence[int],
+                        b_len: int | None = None) -> int:
+    """Length of the common prefix of two chains of block hashes (of ``b[:b_len]`` when
+    given). Chained hashes: equal at block k means equal at every block before, so a
+    binary search for the first differing block is exact."""
+    n = min(len(a), len(b) if b_len is None else min(b_len, len(b)))
+    return bisect_left(range(n), True, key=lambda k: a[k] != b[k])

@@ -58,7 +58,10 @@ class IndexConfig(BaseModel):
         ),
     )
     redis_write_behind: bool = Field(
-        default=False, description="Redis: record/truncate enqueue and a background task flushes batches"
+        default=True,
+        description="Redis: writes update the local copy and the pending writes at once and queue the "
+        "Redis write (bounded, pipelined, flushed at shutdown: prefix_index/write_behind.py), off the "
+        "path to the first byte; false: each write awaits its script",
     )
     redis_flush_interval_s: float = Field(default=0.002, gt=0, description="write-behind: max wait before a flush")
     redis_queue_max: int = Field(default=10000, ge=1, description="write-behind: queued writes kept (oldest dropped)")

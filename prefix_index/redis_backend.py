@@ -13,6 +13,14 @@ timeout the backend answers from a local ``MemoryPrefixIndex`` that mirrors its 
 writes, counts ``degraded_total``, logs once, and pings every ``redis_retry_s`` until
 Redis answers. If Redis came back empty (restart), answers also consult the local copy
 for ``redis_recovery_merge_s``.
+
+Write-behind (``index.redis_write_behind``): ``record``/``truncate``/``set_session``/
+``set_capacity``/``remove_replica`` update the local copy and the pending writes at once
+and queue the Redis write (``prefix_index/write_behind.py``: bounded, one drain task, one
+pipeline a batch, flushed at ``close``), so no round trip precedes the request's first
+byte; ``match`` and ``get_session`` merge what is still pending, so this process reads its
+own writes. ``degraded_total`` also counts the writes that never reached Redis (dropped at
+the bound or failed).
 """
 from __future__ import annotations
 
@@ -21,7 +29,6 @@ import contextlib
 import logging
 import struct
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,10 +56,14 @@ from prefix_index.redis_sessions import (
     parse_session,
     session_value,
 )
+from prefix_index.write_behind import PendingWrites, QueuedWrite, WriteQueue
 
 log = logging.getLogger("kvgate.index.redis")
 
 Arg = bytes | str | int | float
+CLOSE_FLUSH_S = 5.0
+"""Write-behind: at ``close`` the queue gets this long to reach Redis (what is left is
+dropped, counted): a full queue of 10,000 writes is ~40 pipelines."""
 
 def pack_hashes(hashes: Sequence[BlockHash]) -> bytes:
     """The chain as one binary string (8 bytes a block): one argument instead of 1,500."""
@@ -81,7 +92,8 @@ class RedisPrefixIndex:
     """The Redis backend. Implements ``prefix_index.base.PrefixIndex``.
 
     ``degraded`` is True while Redis is considered down; ``degraded_total`` counts the
-    operations answered (or written) locally because of that.
+    operations answered (or written) locally because of that, and the writes that never
+    reached Redis (write-behind: dropped at the queue bound or failed).
     """
 
     def __init__(self, config: IndexConfig, client: Redis | None = None) -> None:
@@ -98,16 +110,27 @@ class RedisPrefixIndex:
         scripts = EXACT_SCRIPTS if config.redis_exact_match else CHAIN_SCRIPTS
         self._scripts = {name: client.register_script(src) for name, src in scripts.items()}
         self.degraded = False
-        self.degraded_total = 0
-        self.dropped_writes_total = 0
+        self._degraded_calls = 0
         self._merge_until = 0.0
         self._feed = SessionFeed(f"{self._p}:sx", config.redis_session_sync_s)
         self._caps: dict[ReplicaId, ReplicaCapacity] = {}  # set_capacity calls, resent if Redis forgot
         self._recovery: asyncio.Task[None] | None = None
-        self._queue: deque[tuple[str, list[Arg]]] = deque(maxlen=config.redis_queue_max)
-        self._flusher: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._flush_lock = asyncio.Lock()
+        self._pending = PendingWrites(chains=not config.redis_exact_match)
+        self._queue = WriteQueue(self._send, config.redis_queue_max, config.redis_flush_interval_s)
+
+    @property
+    def degraded_total(self) -> int:
+        return self._degraded_calls + self._queue.dropped_total + self._queue.failed_total
+
+    @property
+    def dropped_writes_total(self) -> int:
+        """Write-behind: writes that never reached Redis (dropped at the bound or failed)."""
+        return self._queue.dropped_total + self._queue.failed_total
+
+    @property
+    def queued_writes(self) -> int:
+        """Write-behind: writes waiting for the drain task now."""
+        return len(self._queue)
 
     @property
     def local(self) -> MemoryPrefixIndex:
@@ -118,6 +141,9 @@ class RedisPrefixIndex:
     async def match(self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
         if not hashes or not replicas:
             return {rid: PrefixMatch() for rid in replicas}
+        # taken before the read: a write pending now counts even if it is confirmed (and
+        # cleared) while the read is in flight; one confirmed before ran before the read
+        pending = self._pending.longest(hashes, replicas)
         try:
             script = "match" if self._cfg.redis_exact_match else "match_chain"
             flat = await self._call(script, [self._p, pack_hashes(hashes), "\n".join(replicas)])
@@ -130,9 +156,21 @@ class RedisPrefixIndex:
             for rid, local in self._local.match_now(hashes, replicas).items():
                 if local.blocks > out[rid].blocks:
                     out[rid] = local
+        for rid, blocks in pending.items():
+            if blocks > out[rid].blocks:  # written here, still queued: as the record will leave it
+                out[rid] = self._as_recorded(rid, blocks)
         return out
 
+    def _as_recorded(self, replica: ReplicaId, blocks: int) -> PrefixMatch:
+        cap = self._caps.get(replica) or ReplicaCapacity(self._cfg.default_device_blocks,
+                                                         self._cfg.default_host_blocks)
+        device = min(blocks, cap.device_blocks)
+        return PrefixMatch(device, min(blocks - device, cap.host_blocks))
+
     async def get_session(self, key: str) -> SessionEntry | None:
+        pending = self._pending.session(key)
+        if pending is not None:  # written here, still queued: what Redis will hold
+            return pending
         try:
             if not self.degraded and self._feed.due():  # every redis_session_sync_s, one read follows the feed
                 await self.pull_sessions()
@@ -160,6 +198,7 @@ class RedisPrefixIndex:
         return {ReplicaId(flat[i].decode()): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def stats(self) -> IndexStats:
+        await self.flush()  # (write-behind) counts what this process wrote; off the request path
         try:
             flat = await self._call("stats", [self._p])
         except _Unavailable:
@@ -184,12 +223,25 @@ class RedisPrefixIndex:
             self._p, replica, pack_hashes(hashes), cfg.default_device_blocks, cfg.default_host_blocks,
             self._block_ttl_ms,
         ]
-        sized = await self._write("record", args)
+        if cfg.redis_write_behind:
+            if self._behind():
+                seq = self._pending.add_chain(replica, hashes)
+                self._queue.put(QueuedWrite("record", args, lambda sized: self._recorded(replica, seq, sized)))
+            return
+        await self._recorded_now(replica, await self._write("record", args))
+
+    def _recorded(self, replica: ReplicaId, seq: int, sized: object | None) -> None:
+        self._pending.chain_done(replica, seq)
         if sized == 0 and replica in self._caps:  # Redis lost the capacity (restart, expiry): resend
+            self._enqueue("capacity", self._capacity_args(replica, self._caps[replica]))
+
+    async def _recorded_now(self, replica: ReplicaId, sized: object | None) -> None:
+        if sized == 0 and replica in self._caps:
             await self.set_capacity(replica, self._caps[replica])
 
     async def truncate(self, replica: ReplicaId, hashes: Sequence[BlockHash], keep_blocks: int) -> None:
         await self._local.truncate(replica, hashes, keep_blocks)
+        self._pending.truncate(replica, hashes, keep_blocks)
         cfg = self._cfg
         keep = max(keep_blocks, 0)
         defaults = [cfg.default_device_blocks, cfg.default_host_blocks]
@@ -201,12 +253,15 @@ class RedisPrefixIndex:
     async def set_capacity(self, replica: ReplicaId, capacity: ReplicaCapacity) -> None:
         self._caps[replica] = capacity
         await self._local.set_capacity(replica, capacity)
-        args: list[Arg] = [self._p, replica, capacity.device_blocks, capacity.host_blocks, self._block_ttl_ms]
-        await self._write("capacity", args)
+        await self._write("capacity", self._capacity_args(replica, capacity))
+
+    def _capacity_args(self, replica: ReplicaId, capacity: ReplicaCapacity) -> list[Arg]:
+        return [self._p, replica, capacity.device_blocks, capacity.host_blocks, self._block_ttl_ms]
 
     async def remove_replica(self, replica: ReplicaId) -> None:
         self._caps.pop(replica, None)
         await self._local.remove_replica(replica)
+        self._pending.forget_replica(replica)
         await self._write("remove", [self._p, replica])
 
     async def set_session(self, key: str, entry: SessionEntry) -> None:
@@ -214,63 +269,58 @@ class RedisPrefixIndex:
         ttl_ms = max(int(self._cfg.session_ttl_s * 1000), 1)
         args: list[Arg] = [self._p, key, session_value(entry), repr(entry.last_seen_s), ttl_ms,
                            self._cfg.max_sessions, SESSION_FEED_MAX]
+        if self._cfg.redis_write_behind:
+            if self._behind():
+                seq = self._pending.add_session(key, entry)
+                self._queue.put(QueuedWrite("session", args, lambda _: self._pending.session_done(key, seq)))
+            return
         await self._write("session", args)
 
     async def flush(self) -> None:
         """Wait until every queued write (write-behind mode) has been sent."""
-        while self._queue:
-            await self._flush_batch()
-        async with self._flush_lock:  # wait for a batch the background task has in flight
-            pass
+        await self._queue.flush()
 
     async def close(self) -> None:
-        if not self.degraded:
-            await self.flush()
-        for task in (self._flusher, self._recovery):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        self._flusher = self._recovery = None
+        await self._queue.close(CLOSE_FLUSH_S)
+        if self._recovery is not None:
+            self._recovery.cancel()
+            await asyncio.gather(self._recovery, return_exceptions=True)
+        self._recovery = None
         await self._redis.aclose()
 
     # -- internals -----------------------------------------------------------------
     async def _write(self, script: str, args: list[Arg]) -> Any:
         """Run (or, write-behind, enqueue) a write; the script's answer when it ran now."""
-        if not self._cfg.redis_write_behind:
-            with contextlib.suppress(_Unavailable):  # the local copy has it; Redis is a cache
-                return await self._call(script, args)
+        if self._cfg.redis_write_behind:
+            self._enqueue(script, args)
             return None
+        with contextlib.suppress(_Unavailable):  # the local copy has it; Redis is a cache
+            return await self._call(script, args)
+        return None
+
+    def _behind(self) -> bool:
+        """Write-behind: True if a write should be queued now (not while degraded: counted)."""
         if self.degraded:
-            self.degraded_total += 1
+            self._degraded_calls += 1
+            return False
+        return True
+
+    def _enqueue(self, script: str, args: list[Arg]) -> None:
+        if self._behind():
+            self._queue.put(QueuedWrite(script, args))
+
+    async def _send(self, batch: Sequence[QueuedWrite]) -> Sequence[object] | None:
+        """One pipeline for the batch (the drain task's ``send``); None when not delivered."""
+        if self.degraded:
             return None
-        if len(self._queue) == self._queue.maxlen:
-            self.dropped_writes_total += 1
-        self._queue.append((script, args))
-        self._wake.set()
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
-
-    async def _flush_loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await asyncio.sleep(self._cfg.redis_flush_interval_s)  # let a batch gather
-            while self._queue:
-                await self._flush_batch()
-
-    async def _flush_batch(self, max_batch: int = 256) -> None:
-        async with self._flush_lock:
-            if not self._queue:
-                return
-            pipe = self._redis.pipeline(transaction=False)
-            for _ in range(min(max_batch, len(self._queue))):
-                name, args = self._queue.popleft()
-                await self._scripts[name](args=args, client=pipe)
-            try:
-                await self._guard(pipe.execute(), scale=4.0)
-            except _Unavailable:
-                self.dropped_writes_total += len(self._queue)
-                self._queue.clear()  # the local copy has them; Redis is a cache
+        pipe = self._redis.pipeline(transaction=False)
+        for write in batch:
+            await self._scripts[write.name](args=write.args, client=pipe)
+        try:
+            results: list[object] = await self._guard(pipe.execute(raise_on_error=False), scale=4.0)
+        except _Unavailable:
+            return None
+        return results
 
     async def _call(self, script: str, args: list[Arg]) -> Any:
         return await self._guard(self._scripts[script](args=args))
@@ -279,7 +329,7 @@ class RedisPrefixIndex:
         """Await a Redis call within budget; on failure enter degraded mode."""
         if self.degraded:
             awaitable.close()  # never started: do not leave a coroutine un-awaited
-            self.degraded_total += 1
+            self._degraded_calls += 1
             raise _Unavailable
         try:
             async with asyncio.timeout(self._cfg.redis_timeout_s * scale):  # no extra Task, unlike wait_for
@@ -289,7 +339,7 @@ class RedisPrefixIndex:
             raise _Unavailable from exc
 
     def _enter_degraded(self, exc: BaseException) -> None:
-        self.degraded_total += 1
+        self._degraded_calls += 1
         if self.degraded:
             return
         self.degraded = True

@@ -58,6 +58,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from prefix_index.base import common_chain_prefix
 from replicas.kv_events import CPU_PINNED, GPU
 
 ROOT_SEED = 0
@@ -121,18 +122,6 @@ def _prefix_run(
     """Length of the leading run of ``hashes[:limit]`` satisfying a prefix-closed predicate
     (a binary search for the first hash without it)."""
     return bisect_left(hashes, True, start, limit, key=lambda h: not present(h))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two chained-hash paths (equal at k => equal before)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class _Pool:
@@ -286,7 +275,7 @@ class PagedPrefixCache:
         best = 0
         for other in self._paths.values():
             if other is not exclude:
-                best = max(best, _common_prefix(path, other))
+                best = max(best, common_chain_prefix(path, other))
         return best
 
     # -- admission and release ---------------------------------------------------------

@@ -122,6 +122,7 @@ def _run_redis(redis_url: str, ops: list[tuple[object, ...]], probes: list[list[
     cfg = IndexConfig(
         backend="redis", redis_url=redis_url, redis_timeout_s=2.0, redis_exact_match=exact,
         default_device_blocks=DEFAULT.device_blocks, default_host_blocks=DEFAULT.host_blocks,
+        redis_write_behind=False,  # the scripts themselves: every write awaited, then read back
     )
 
     async def run() -> None:

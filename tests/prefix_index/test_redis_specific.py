@@ -34,7 +34,10 @@ class CountingRedis(Redis):
 
 
 def cfg(url: str, **kw: Any) -> IndexConfig:
-    base: dict[str, Any] = {"backend": "redis", "redis_url": url, "redis_timeout_s": 2.0}
+    # these tests read Redis's own layout and count round trips: every write awaited
+    # (write-behind, the default, is tested in tests/gateway/test_index_write_behind.py)
+    base: dict[str, Any] = {"backend": "redis", "redis_url": url, "redis_timeout_s": 2.0,
+                            "redis_write_behind": False}
     return IndexConfig(**{**base, **kw})
 
 

@@ -161,6 +161,15 @@ class Sessions:
     def wait_for(self, phase: str, n: int, timeout_s: float = 60.0) -> None:
         until(lambda: self.count(phase) >= n, timeout_s, f"{n} requests in phase {phase}")
 
+    def wait_every_session(self, phase: str, turns: int, timeout_s: float = 60.0) -> None:
+        """Until every session has ``turns`` answered requests in ``phase``."""
+        def least() -> int:
+            ok = [0] * len(self._threads)
+            for k, _, row_phase, _, status in list(self.log):
+                ok[k] += row_phase == phase and status == 200
+            return min(ok)
+        until(lambda: least() >= turns, timeout_s, f"{turns} answered turns per session in phase {phase}")
+
     def stop(self) -> None:
         self._stop.set()
         for t in self._threads:
@@ -195,6 +204,11 @@ def test_outage_keeps_session_affinity_and_a_restart_does_not_flap(
         sessions = Sessions(gws, 12, phase)
         try:
             sessions.wait_for("before", 48)
+            # the outage is about sessions both gateways have heard of: every session has
+            # answered turns, and the other gateway's session feed (every SYNC_S) ran since
+            # (a session started within one feed interval of the outage cannot be known there)
+            sessions.wait_every_session("before", 2)
+            time.sleep(2 * SYNC_S)
             redis_srv.stop()
             phase[0] = "outage"
             sessions.wait_for("outage", 60)
