@@ -60,6 +60,15 @@ picks among those ties (herding defence). A second scorer, ``new-session`` (weig
 0.15), only speaks for new sessions: it prefers NEW replicas (joined within
 ``new_replica_window_s``) and then replicas with a low resident fraction, so scale-out
 takes new sessions first.
+
+Precise mode (issue 13) adds knowledge, not a new rule: a match the replica's KV events
+stated (`policies.routing.ExactMatch`) is believed where a prediction is only hoped. A
+home known to hold less than ``lost_home_fraction`` of the session's last turn (or of the
+prompt, when a compacted conversation is shorter) is *lost*: its KV was evicted, staying
+saves nothing, so the move margin and
+the home's "previous turn already resident" discount go, and the turn's full recompute
+runs where it is cheapest (reason ``rehomed`` when that is not the home). Measured in
+docs/results-precise.md.
 """
 
 from __future__ import annotations
@@ -78,6 +87,7 @@ from policies.ttft_cost import (
     TtftEstimate,
     estimates,
     home_replica,
+    request_terms,
     resident_fraction,
     score_floor_s,
 )
@@ -169,7 +179,9 @@ class NewSessionScorer:
 
 
 class CacheAwareExplainer:
-    """Reasons: only-one, affinity, moved, parent, prefix, new-session, spread, balance.
+    """Reasons: only-one, affinity, moved, rehomed, parent, prefix, new-session, spread, balance.
+
+    ``rehomed``: the session left a home its KV events show lost (`ttft_cost.home_is_lost`).
 
     ``spread``: a new session started away from the longest match of its prompt (the
     shared prefix is recomputed there once; see `policies.placement`).
@@ -212,7 +224,9 @@ class CacheAwareExplainer:
         if len(candidates) == 1:
             return "only-one"
         if home is not None:
-            return "affinity" if chosen == home else "moved"
+            if chosen == home:
+                return "affinity"
+            return "rehomed" if request_terms(ctx, inputs, home, self.params).home_lost else "moved"
         parent = inputs.parent_session
         if inputs.session is None and parent is not None and parent.replica == chosen:
             return "parent"

@@ -27,20 +27,58 @@ the others keep the approximate index's block matches. ``merge_matches`` puts bo
 one unit (tokens) and ``token_context`` gives the policy a context in that unit (block
 of 1 token, the exact prompt length), so the policy's ``predicted_cached_tokens`` is
 exact for precise replicas and unchanged for approximate ones. The gateway's router and
-the fleet simulation both call these two before ``inputs``/``decide``.
+the fleet simulation both call these two before ``inputs``/``decide``. ``merge_matches``
+marks the precise replicas' matches as `ExactMatch` (equal to a ``PrefixMatch`` of the same
+counts), so the policy can tell a match the replica's events stated from a prediction
+(`policies.ttft_cost`: a home replica that exactly holds little of the session).
+
+Events only state what a replica has *stored*: a request routed a moment ago whose
+prefill has not run yet is invisible to them (approximate mode sees it at once: it
+records the chain on route). ``RoutingCore`` therefore remembers the chains it routed in
+the last ``IN_FLIGHT_S`` (`InFlightChains`) and, for a request without a session entry
+(a new session, a subagent's first turn, a one-shot request: the ones that share a
+prefix with other requests), raises an exact match to the part of the prompt a request
+just routed there shares with it (the raised match is a plain ``PrefixMatch``: partly
+predicted). A session's later turns are left to the events alone.
 """
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from policies.base import Decision, Policy, RequestContext, RoutingInputs
-from prefix_index.base import PrefixMatch, ReplicaId, SessionEntry
+from prefix_index.base import BlockHash, PrefixMatch, ReplicaId, SessionEntry, common_chain_prefix
 from replicas.model import ReplicaView
 
 NO_MATCH = PrefixMatch()
 RESIDENT_CACHE_S = 1.0
+IN_FLIGHT_S = 15.0  # a routed prompt is in its replica's events once prefilled (p99 TTFT ~8-14 s)
+IN_FLIGHT_MAX = 1024  # chains remembered at most (each is the request's own hash tuple, ~58 KB at 400 KB)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExactMatch(PrefixMatch):
+    """A match stated by the replica's KV events (precise mode), not predicted.
+
+    Compares and hashes as the ``PrefixMatch`` of the same counts, so callers that only
+    read the counts see no difference; policies may test ``isinstance(m, ExactMatch)``.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PrefixMatch):
+            return (self.device_blocks, self.host_blocks) == (other.device_blocks, other.host_blocks)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.device_blocks, self.host_blocks))
+
+
+def is_exact(match: PrefixMatch | None) -> bool:
+    """True when ``match`` was stated by KV events (`ExactMatch`)."""
+    return isinstance(match, ExactMatch)
 
 
 def merge_matches(approx: Mapping[ReplicaId, PrefixMatch], precise: Mapping[ReplicaId, PrefixMatch], *,
@@ -52,11 +90,12 @@ def merge_matches(approx: Mapping[ReplicaId, PrefixMatch], precise: Mapping[Repl
     comes from ``to_prefix_match(..., block_tokens=1)``). A replica in ``precise`` is
     answered by it even when it matched nothing (the events say it holds nothing):
     callers leave uncertain replicas out of ``precise`` so they fall back to ``approx``.
-    Pure.
+    The precise ones come back as `ExactMatch`. Pure.
     """
     scale = max(approx_block_tokens, 1)
     out = {r: PrefixMatch(m.device_blocks * scale, m.host_blocks * scale) for r, m in approx.items()}
-    out.update(precise)
+    out.update({r: m if isinstance(m, ExactMatch) else ExactMatch(m.device_blocks, m.host_blocks)
+                for r, m in precise.items()})
     return out
 
 
@@ -67,6 +106,42 @@ def token_context(ctx: RequestContext, prompt_tokens: int) -> RequestContext:
     return dataclasses.replace(ctx, block_tokens=1, est_prompt_tokens=max(prompt_tokens, 0))
 
 
+class InFlightChains:
+    """The chains routed in the last ``window_s``, to cover what KV events cannot state yet."""
+
+    def __init__(self, window_s: float = IN_FLIGHT_S, max_chains: int = IN_FLIGHT_MAX) -> None:
+        self.window_s = window_s
+        self._recent: deque[tuple[float, ReplicaId, tuple[BlockHash, ...]]] = deque(maxlen=max_chains)
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def add(self, now_s: float, replica: ReplicaId, chain: tuple[BlockHash, ...]) -> None:
+        if chain:
+            self._recent.append((now_s, replica, chain))
+
+    def overlay(self, now_s: float, ctx: RequestContext,
+                matches: Mapping[ReplicaId, PrefixMatch]) -> Mapping[ReplicaId, PrefixMatch]:
+        """``matches`` with each exact one raised to the tokens an in-flight chain shares."""
+        recent = self._recent
+        while recent and now_s - recent[0][0] > self.window_s:
+            recent.popleft()
+        if not recent or not ctx.block_hashes:
+            return matches
+        best: dict[ReplicaId, int] = {}
+        for _, replica, chain in recent:
+            if is_exact(matches.get(replica)):
+                best[replica] = max(best.get(replica, 0), common_chain_prefix(chain, ctx.block_hashes))
+        out = dict(matches)
+        prompt = max(ctx.est_prompt_tokens, 0)
+        for replica, blocks in best.items():
+            m = matches[replica]
+            shared = min(blocks * ctx.block_tokens, prompt)
+            if shared > m.blocks:
+                out[replica] = PrefixMatch(m.device_blocks + shared - m.blocks, m.host_blocks)
+        return out
+
+
 class RoutingCore:
     def __init__(self, policy: Policy, rng: random.Random, *, resident_cache_s: float = RESIDENT_CACHE_S) -> None:
         self.policy = policy
@@ -74,6 +149,9 @@ class RoutingCore:
         self.resident_window_s = policy.resident_window_s  # sessions seen within it are resident
         self.resident_cache_s = resident_cache_s
         self._resident: tuple[float, Mapping[ReplicaId, int]] | None = None
+        self.in_flight = InFlightChains()
+        self._now_s = 0.0  # the time of the last ``inputs`` (``account`` follows it at once)
+        self._exact_until_s = float("-inf")  # KV events answered within the in-flight window
 
     # ---------------------------------------------------------------- resident set
     def resident_fresh(self, now_s: float) -> Mapping[ReplicaId, int] | None:
@@ -93,6 +171,11 @@ class RoutingCore:
                matches: Mapping[ReplicaId, PrefixMatch], session: SessionEntry | None,
                parent: SessionEntry | None, now_s: float) -> RoutingInputs:
         views = tuple(replicas)
+        self._now_s = now_s
+        if any(is_exact(m) for m in matches.values()):
+            self._exact_until_s = now_s + self.in_flight.window_s
+        if session is None:  # shares a prefix with others: cover their prefills in flight
+            matches = self.in_flight.overlay(now_s, ctx, matches)
         return RoutingInputs(
             replicas=views,
             matches={v.id: matches.get(v.id, NO_MATCH) for v in views},
@@ -107,7 +190,10 @@ class RoutingCore:
         return self.policy.decide(ctx, inputs, self.rng)
 
     def account(self, ctx: RequestContext, decision: Decision) -> None:
-        """The session just routed is resident on its replica from now on."""
+        """The session just routed is resident on its replica from now on, and its chain is
+        in flight there."""
+        if self._now_s <= self._exact_until_s:  # precise replicas in the fleet: cover their prefills
+            self.in_flight.add(self._now_s, decision.replica, ctx.block_hashes)
         if self._resident is None or ctx.session.session is None:
             return
         taken_s, resident = self._resident

@@ -17,6 +17,9 @@ seconds (see `policies/cache_aware.py` for why this rule, and README.md for para
                    resident working set / its KV capacity, at most 1.5)
     affinity     = on every replica but the session's own: move_margin_s
                    + abandon_weight * (cached at home - cached here) / prefill_tokens_per_s
+                   (no move_margin_s when the home is *lost*: its KV events, an
+                   `ExactMatch`, show it holds < lost_home_fraction of the last turn;
+                   its eviction term then gets no "previous turn resident" discount)
     interleave   = ceil(uncached / prefill_chunk_tokens) * decode_step_s, only on a
                    replica with requests running (chunks and decode steps alternate)
     placement    = a NEW session only: spread_weight * (the replica's resident working
@@ -52,6 +55,7 @@ from dataclasses import dataclass
 
 from policies.base import RequestContext, RoutingInputs
 from policies.placement import spread_mean, spread_term_s
+from policies.routing import is_exact
 from prefix_index.base import PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
 
@@ -80,6 +84,7 @@ class CacheAwareParams:
     decode_step_s: float = 0.015  # one decode step between two prefill chunks
     spread_weight: float = 1.0  # new sessions: x recompute of the working set above the mean
     placement_max_shared_tokens: int = 32_768  # a longer match is the session's own KV
+    lost_home_fraction: float = 0.25  # exact home match below this share of the last turn: lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,16 +161,16 @@ def _interference_s(view: ReplicaView, uncached: int, p: CacheAwareParams) -> fl
 
 
 def _eviction_s(
-    ctx: RequestContext, inputs: RoutingInputs, view: ReplicaView, p: CacheAwareParams
+    ctx: RequestContext, inputs: RoutingInputs, view: ReplicaView, terms: RequestTerms,
+    p: CacheAwareParams,
 ) -> float:
     capacity = view.device_tokens + view.host_tokens
     if capacity <= 0:
         return 0.0
-    own = (
-        inputs.session.tokens
-        if inputs.session is not None and inputs.session.replica == view.id
-        else 0
-    )
+    own = 0
+    if inputs.session is not None and inputs.session.replica == view.id:
+        # a lost home holds only what its events say, not the session's last turn
+        own = terms.home_cached if terms.home_lost else inputs.session.tokens
     before = inputs.resident_tokens.get(view.id, 0)
     need = max(before - own, 0) + ctx.est_prompt_tokens + (ctx.max_tokens or 0)
     overflow = max(max(need - capacity, 0) - max(before - capacity, 0), 0)
@@ -201,7 +206,8 @@ def _affinity_s(
     if terms.home is None or view.id == terms.home:
         return 0.0
     abandoned = terms.home_cached - _cached_tokens(ctx, inputs, view.id)
-    return p.move_margin_s + p.abandon_weight * max(abandoned, 0) / p.prefill_tokens_per_s
+    margin = 0.0 if terms.home_lost else p.move_margin_s
+    return margin + p.abandon_weight * max(abandoned, 0) / p.prefill_tokens_per_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,16 +218,34 @@ class RequestTerms:
 
     home: ReplicaId | None
     home_cached: int  # tokens the index says the session's replica holds (affinity)
+    home_lost: bool  # its KV events say the home holds little of the last turn (`home_is_lost`)
     any_match: bool  # some replica holds a prefix (the subagent's parent guess is off)
     spread_mean: float | None  # the placement term's mean working set (None: no term)
+
+
+def home_is_lost(
+    ctx: RequestContext, inputs: RoutingInputs, home: ReplicaId | None, home_cached: int,
+    p: CacheAwareParams,
+) -> bool:
+    """The session's replica is *known* (an `ExactMatch`, from its KV events) to hold less
+    than ``lost_home_fraction`` of what it should: the session's last turn, or the prompt
+    when that is shorter (a compacted conversation). Its KV was evicted, so staying saves
+    nothing and the move margin does not apply. A turn that only grew a lot is not lost:
+    the home still holds the whole previous turn."""
+    if home is None or inputs.session is None or not is_exact(inputs.matches.get(home)):
+        return False
+    expected = min(max(ctx.est_prompt_tokens, 0), inputs.session.tokens)
+    return home_cached < p.lost_home_fraction * expected
 
 
 def request_terms(
     ctx: RequestContext, inputs: RoutingInputs, home: ReplicaId | None, p: CacheAwareParams
 ) -> RequestTerms:
+    home_cached = _cached_tokens(ctx, inputs, home) if home is not None else 0
     return RequestTerms(
         home=home,
-        home_cached=_cached_tokens(ctx, inputs, home) if home is not None else 0,
+        home_cached=home_cached,
+        home_lost=home_is_lost(ctx, inputs, home, home_cached, p),
         any_match=any(m.blocks for m in inputs.matches.values()),
         spread_mean=spread_mean(ctx, inputs, p.spread_weight, p.placement_max_shared_tokens),
     )
@@ -262,7 +286,7 @@ def estimate(
         prefill_s=uncached / p.prefill_tokens_per_s + host / p.host_load_tokens_per_s,
         queue_s=waiting / p.prefill_tokens_per_s,
         interference_s=_interference_s(view, uncached, p),
-        eviction_s=_eviction_s(ctx, inputs, view, p),
+        eviction_s=_eviction_s(ctx, inputs, view, t, p),
         affinity_s=_affinity_s(ctx, inputs, view, t, p),
         externality_s=_externality_s(uncached, inputs, view, p),
         placement_s=spread_term_s(inputs, view, t.spread_mean, p.spread_weight, p.prefill_tokens_per_s),
