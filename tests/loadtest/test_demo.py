@@ -55,6 +55,6 @@ def test_demo_with_kv_events_predicts_from_the_events(tmp_path: Path, capsys: py
     (run,) = json.loads(out.read_text())["runs"]
     assert run["summary"]["errors"] == 0 and run["summary"]["requests"] > 0
     printed = " ".join(capsys.readouterr().out.split())
-    match = re.search(r"precise ([0-9.]+)% of (\d+)", printed)
+    match = re.search(r"precise ([0-9.]+)% within 64 tokens, [^(]*\(of (\d+)\)", printed)
     assert match is not None, printed[-2000:]
     assert int(match[2]) > 0 and float(match[1]) >= 95.0, match[0]
