@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.fleetsim.metrics import Record
+from loadtest.fleetsim.metrics import Record, served, ttfts
 from loadtest.percentile import percentile
 
 TAIL_Q = 99.0
@@ -31,8 +31,8 @@ FIRST_WINDOW_S = 60.0
 
 def tail_breakdown(records: Sequence[Record], q: float = TAIL_Q) -> dict[str, Any] | None:
     """The breakdown above for the requests at or above the run's ``q``-th TTFT percentile."""
-    timed = [(r, r.first_token_s - r.arrival_s) for r in records
-             if not r.rejected and r.first_token_s is not None]
+    done = served(records)
+    timed = list(zip(done, ttfts(done), strict=True))
     if not timed:
         return None
     cut = percentile([t for _, t in timed], q)
