@@ -45,6 +45,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway import admin
+from gateway.admission import Admission
 from gateway.api_routes import ResponsesApi, install_agent_routes, install_error_handlers
 from gateway.bodies import read_body
 from gateway.context import build_context
@@ -125,8 +126,12 @@ class Gateway:
         self.scaling = ScaleLoop(settings.scale, registry, registry.views, index, policy.resident_window_s,
                                  self.metrics, make_annotator(settings.scale))
         self.hits = self.scaling.hits  # the proxy records each request's cached tokens here
+        # prefill admission: streaming requests held per replica, released shortest prefill first
+        self.admission = Admission(settings.admission, on_waited=self.metrics.admission_waited)
+        registry.held_prefill = self.admission.held
+        registry.add_listener(self.admission)
         self.proxy = Proxy(settings.upstream, upstream or HttpxUpstream(client), self.router, registry,
-                           self.metrics, self.hits, shared_state=shared_state)
+                           self.metrics, self.hits, shared_state=shared_state, admission=self.admission)
         self.header_policy = HeaderPolicy.from_config(settings.upstream)
         index_cfg = settings.index
         store = make_responses_store(settings.responses, index_cfg.redis_url, index_cfg.key_prefix)

@@ -139,6 +139,13 @@ class GatewayMetrics:
         self.precise_replicas = Gauge("kvgate_precise_replicas",
                                       "Replicas matched from their KV events, by state (precise, uncertain)",
                                       ["state"], registry=r)
+        self.admission_held = Gauge("kvgate_admission_held",
+                                    "Streaming requests admission holds for the replica (gateway/admission.py)",
+                                    ["replica"], registry=r)
+        self.admission_wait = Histogram(
+            "kvgate_admission_wait_seconds", "How long held requests waited, by how they were released "
+            "(budget: a prefill ahead ended; age: max_wait_s; flush: the replica left routing)",
+            ["released_by"], buckets=TTFT_BUCKETS_S, registry=r)
         self._prediction_errors = {mode: self.prediction_error.labels(mode) for mode in ("precise", "approximate")}
         self._hits: deque[tuple[int, int]] = deque(maxlen=HIT_RATIO_WINDOW)
         self._hit_sums = [0, 0]  # cached, prompt over the window
@@ -195,6 +202,9 @@ class GatewayMetrics:
             self.ttft.observe(ttft_s)
         if itl_s is not None:
             self.itl.observe(itl_s)
+
+    def admission_waited(self, released_by: str, seconds: float) -> None:
+        self.admission_wait.labels(released_by).observe(seconds)
 
     def retry(self, reason: str) -> None:
         child = self._retries.get(reason)
@@ -257,7 +267,7 @@ class GatewayMetrics:
     # -- fleet gauges, refreshed on scrape ----------------------------------------
     def refresh_fleet(self, views: Iterable[ReplicaView], stats: IndexStats | None) -> None:
         for gauge in (self.replica_state, self.replica_in_flight, self.replica_pending_prefill,
-                      self.index_blocks, self.replica_ejected):
+                      self.index_blocks, self.replica_ejected, self.admission_held):
             gauge.clear()  # replicas that left disappear from the exposition
         for view in views:
             for state in ReplicaState:
@@ -265,6 +275,7 @@ class GatewayMetrics:
             self.replica_in_flight.labels(view.id).set(view.in_flight)
             self.replica_pending_prefill.labels(view.id).set(view.pending_prefill_tokens)
             self.replica_ejected.labels(view.id).set(1.0 if view.ejected else 0.0)
+            self.admission_held.labels(view.id).set(len(view.held_prefill))
         if stats is not None:
             self.session_table_sessions.set(getattr(stats, "sessions", 0))
             delta = self._advance("session_evictions", float(getattr(stats, "session_evictions", 0)))

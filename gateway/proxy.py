@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
+from gateway.admission import Admission, AdmissionConfig
 from gateway.errors import GatewayError, NoReplicaAvailable, UpstreamError, UpstreamTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.relay import (
@@ -85,6 +86,7 @@ from gateway.upstream import (
 from gateway.upstream_config import UpstreamConfig
 from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext, RoutingInputs
 from prefix_index.base import ReplicaId
+from replicas.admission import Ticket
 from replicas.registry import LoadLease, Registry
 
 __all__ = ["CLIENT_CLOSED", "PINNED", "Proxy"]
@@ -118,6 +120,7 @@ class Attempt:
     decision: Decision
     lease: LoadLease
     started_s: float
+    ticket: Ticket | None = None  # its place in prefill admission (None: not gated)
     response: ResponseLike | None = None
     first_byte_s: float | None = None
     last_byte_s: float | None = None
@@ -142,8 +145,11 @@ class Proxy:
     """Sends a parsed request to the fleet with failover; returns the client's Response."""
 
     def __init__(self, cfg: UpstreamConfig, upstream: Upstream, router: Router, registry: Registry,
-                 metrics: GatewayMetrics, hits: HitWindow, *, shared_state: bool) -> None:
-        """``shared_state``: several gateways share replica state (near-ties go to ``reserve``)."""
+                 metrics: GatewayMetrics, hits: HitWindow, *, shared_state: bool,
+                 admission: Admission | None = None) -> None:
+        """``shared_state``: several gateways share replica state (near-ties go to ``reserve``).
+        ``admission``: prefill admission (``gateway.admission``; default: off)."""
+        self.admission = admission or Admission(AdmissionConfig(enabled=False))
         self.upstream = upstream
         self.router = router
         self.registry = registry
@@ -194,8 +200,10 @@ class Proxy:
                 decision, lease = await self._lease(decision, tries.tried)
                 tries.tried.add(decision.replica)
                 await self.router.routed(ctx, decision)
-                attempt = Attempt(ctx, decision, lease, started_s)
+                attempt = Attempt(ctx, decision, lease, started_s,
+                                  self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
                 try:
+                    await self.admission.wait(attempt.ticket)
                     response = await self._try(attempt, path, body, headers)
                 except Failure as exc:
                     failure = exc
@@ -333,6 +341,7 @@ class Proxy:
             raise self._broken(exc, replica) from exc
         attempt.first_byte_s = time.perf_counter()
         attempt.lease.first_byte()
+        self.admission.started(attempt.ticket)
         out_headers = self._response_headers(attempt)
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             attempt.sniffer = UsageSniffer()
@@ -444,6 +453,7 @@ class Proxy:
             return
         attempt.closed = True
         attempt.lease.release()
+        self.admission.done(attempt.ticket)
         if attempt.response is not None:
             await attempt.response.aclose()
         metrics = self.metrics

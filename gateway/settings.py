@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validat
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.sources import InitSettingsSource
 
+from gateway.admission import AdmissionConfig
 from gateway.context import HashingConfig, SessionConfig
 from gateway.responses_store import ResponsesStoreConfig
 from gateway.scaling import ScaleConfig
@@ -101,6 +102,7 @@ class Settings(BaseSettings):
     server: ServerConfig = Field(default_factory=ServerConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)

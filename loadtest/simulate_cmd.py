@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 from rich.console import Console
 
+from gateway.admission import AdmissionConfig
 from loadtest.fleetsim.capacity import add_capacity_arguments, run_capacity
 from loadtest.fleetsim.metrics import oracle_summary
 from loadtest.fleetsim.precise import INDEX_MODES
@@ -72,6 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--trace synthetic: multiply every token size (e.g. 0.02 for the tiny profile)")
     p.add_argument("--index", default="approximate", metavar="MODE[,MODE]",
                    help="prefix index mode(s): approximate (own decisions) or precise (the replicas' KV events)")
+    p.add_argument("--admission", choices=("on", "off"), default="on",
+                   help="the gateway's prefill admission (gateway.admission): hold streaming turns per replica, "
+                   "release them shortest predicted prefill first; off = first come, first served")
+    p.add_argument("--admission-budget-tokens", type=int, default=None,
+                   help="admission.budget_tokens (default: the gateway's)")
+    p.add_argument("--admission-max-wait-s", type=float, default=None,
+                   help="admission.max_wait_s (default: the gateway's)")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results JSON here")
     p.add_argument("--quiet", action="store_true", help="no table")
     add_capacity_arguments(p)
@@ -124,11 +132,16 @@ def make_config(args: argparse.Namespace) -> SimConfig:
         ramp_s=args.ramp_s, seed=args.seed,
     )
     params = orjson.loads(args.policy_params) if args.policy_params else {}
+    admission = AdmissionConfig(enabled=getattr(args, "admission", "on") == "on")
+    if getattr(args, "admission_budget_tokens", None) is not None:
+        admission = admission.model_copy(update={"budget_tokens": args.admission_budget_tokens})
+    if getattr(args, "admission_max_wait_s", None) is not None:
+        admission = admission.model_copy(update={"max_wait_s": args.admission_max_wait_s})
     return SimConfig(profile=profile, replicas=args.replicas,
                      gpus_per_replica=args.gpus_per_replica or profile.tp_size or 8, pacing=pacing,
                      seed=args.seed, max_requests=args.max_requests, sim_duration_s=args.sim_duration_s,
                      loads_poll_interval_s=args.loads_poll_s, policy_params=params,
-                     index_mode=index_modes(getattr(args, "index", "approximate"))[0])
+                     index_mode=index_modes(getattr(args, "index", "approximate"))[0], admission=admission)
 
 
 def config_dict(args: argparse.Namespace, cfg: SimConfig, workload: Workload) -> dict[str, Any]:
@@ -139,7 +152,8 @@ def config_dict(args: argparse.Namespace, cfg: SimConfig, workload: Workload) ->
             "gpus_per_replica": cfg.gpus_per_replica, "pacing": dataclasses.asdict(cfg.pacing),
             "open_loop": workload.open_loop, "seed": cfg.seed, "max_requests": cfg.max_requests,
             "sim_duration_s": cfg.sim_duration_s, "loads_poll_interval_s": cfg.loads_poll_interval_s,
-            "policy_params": dict(cfg.policy_params), "index": getattr(args, "index", "approximate")}
+            "policy_params": dict(cfg.policy_params), "index": getattr(args, "index", "approximate"),
+            "admission": cfg.admission.model_dump()}
 
 
 def progress_line(s: dict[str, Any]) -> str:

@@ -6,6 +6,8 @@ seconds (see `policies/cache_aware.py` for why this rule, and README.md for para
     prefill      = uncached / prefill_tokens_per_s + host_hit / host_load_tokens_per_s
     queue        = max(pending_prefill_tokens, reported_waiting_uncached_tokens)
                    / prefill_tokens_per_s
+                   (with requests held by admission: only the released part and the held
+                   requests no larger than this one, `ReplicaView.prefill_ahead`)
     interference = decode_weight_s * max(decoding, reported_running)
                    + saturation_penalty_s * (busy - max_running_requests + 1)
                      (only when busy >= max_running_requests; busy = max(in_flight,
@@ -278,7 +280,7 @@ def estimate(
     if device + host == 0:
         device = min(_parent_tokens(ctx, inputs, view.id, p, t.any_match), prompt)
     uncached = prompt - device - host
-    waiting = max(view.pending_prefill_tokens, view.reported_waiting_uncached_tokens)
+    waiting = view.prefill_ahead(uncached)  # admission-aware (replicas.admission)
     return TtftEstimate(
         replica=view.id,
         cached_tokens=device + host,

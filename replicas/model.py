@@ -37,6 +37,7 @@ class ReplicaView:
     in_flight: int = 0  # requests routed here and not finished
     pending_prefill_tokens: int = 0  # predicted uncached tokens of requests not yet at first byte
     decoding: int = 0  # requests that are streaming output
+    held_prefill: tuple[int, ...] = ()  # predicted uncached tokens of requests admission holds (included above)
     # what the replica reports on /v1/loads (0 when unknown)
     reported_running: int = 0
     reported_waiting: int = 0
@@ -47,6 +48,21 @@ class ReplicaView:
     drain_deadline_s: float | None = None
     removal_candidate: bool = False  # scale-in chose this replica: steer its sessions away
     ejected: bool = False  # an outlier (replicas/outlier.py): no requests until its ejection ends
+
+    def prefill_ahead(self, uncached_tokens: int) -> int:
+        """Predicted prefill tokens served before a new request of ``uncached_tokens`` here.
+
+        Without admission (nothing held) the replica serves first come, first served: all
+        of its queue, the gateway's pending prefill or the replica's reported one, whichever
+        is larger (they overlap). With requests held (``replicas.admission``: released
+        smallest first) only what was released and the held requests no larger than this
+        one go first."""
+        held = self.held_prefill
+        queue = self.pending_prefill_tokens
+        if not held:
+            return max(queue, self.reported_waiting_uncached_tokens)
+        released = max(0, queue - sum(held))
+        return max(released, self.reported_waiting_uncached_tokens) + sum(x for x in held if x <= uncached_tokens)
 
     @property
     def routable(self) -> bool:

@@ -68,7 +68,8 @@ class ReplicaRecord:
     def total_in_flight(self) -> int:
         return self.counters.in_flight + max(0, self.remote.in_flight)
 
-    def view(self) -> ReplicaView:
+    def view(self, held_prefill: tuple[int, ...] = ()) -> ReplicaView:
+        """``held_prefill``: what this gateway's admission holds for the replica."""
         cap = self.capacity or Capacity()
         c, r, rep = self.counters, self.remote, self.reported
         return ReplicaView(
@@ -81,6 +82,7 @@ class ReplicaRecord:
             in_flight=c.in_flight + max(0, r.in_flight),
             pending_prefill_tokens=c.pending_prefill_tokens + max(0, r.pending_prefill_tokens),
             decoding=c.decoding + max(0, r.decoding),
+            held_prefill=held_prefill,
             reported_running=rep.running,
             reported_waiting=rep.waiting,
             reported_waiting_uncached_tokens=rep.waiting_uncached_tokens,

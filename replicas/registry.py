@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 __all__ = ["LoadLease", "Registry", "RegistryListener"]
 
 
+def _nothing_held(replica: ReplicaId) -> tuple[int, ...]:
+    return ()
+
+
 class Registry:
     def __init__(
         self,
@@ -59,6 +63,8 @@ class Registry:
         self._background: set[asyncio.Task[Any]] = set()
         self._ejections = Ejections(self._table, OutlierDetector(config.outlier), clock)
         self._probe_log = probe.ProbeLog(config.probe_log_interval_s, clock)
+        # what the gateway's admission holds per replica (gateway.admission; none by default)
+        self.held_prefill: Callable[[ReplicaId], tuple[int, ...]] = _nothing_held
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -112,7 +118,8 @@ class Registry:
     def views(self) -> tuple[ReplicaView, ...]:
         if self._ejections.ejected:
             self._ejections.expire()
-        return tuple(r.view() for r in self._table.records.values())
+        held = self.held_prefill
+        return tuple(r.view(held(r.id)) for r in self._table.records.values())
 
     def get(self, url: str) -> ReplicaView | None:
         r = self._table.records.get(normalize_url(url))

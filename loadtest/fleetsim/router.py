@@ -35,7 +35,7 @@ fails loudly should a backend ever really wait).
 from __future__ import annotations
 
 import random
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from loadtest.simulator.stats import EngineStats
@@ -76,7 +76,8 @@ class SimRouter:
     """Routing for one simulated fleet (see the module docstring)."""
 
     def __init__(self, policy: Policy, index: PrefixIndex, ids: list[ReplicaId], spec: Capacity,
-                 snapshot: Any, block_tokens: int, seed: int, loads_poll_interval_s: float = 1.0) -> None:
+                 snapshot: Any, block_tokens: int, seed: int, loads_poll_interval_s: float = 1.0,
+                 held_prefill: Callable[[ReplicaId], tuple[int, ...]] | None = None) -> None:
         self.policy = policy
         self.index = index
         self.ids = ids
@@ -84,6 +85,7 @@ class SimRouter:
         self._snapshot = snapshot  # engine index -> EngineStats at the current time
         self.core = RoutingCore(policy, random.Random(seed))  # the resident window is the policy's
         self.poll_s = loads_poll_interval_s
+        self.held_prefill = held_prefill or (lambda rid: ())  # what admission holds (gateway.admission)
         self.counters = [LoadCounters() for _ in ids]
         self.reported = [ReportedLoad() for _ in ids]
         self._last_poll_s = -float("inf")
@@ -113,6 +115,7 @@ class SimRouter:
                 host_tokens=s.host_tokens, page_size=s.page_size,
                 max_running_requests=s.max_running_requests, in_flight=c.in_flight,
                 pending_prefill_tokens=c.pending_prefill_tokens, decoding=c.decoding,
+                held_prefill=self.held_prefill(rid),
                 reported_running=r.running, reported_waiting=r.waiting,
                 reported_waiting_uncached_tokens=r.waiting_uncached_tokens,
                 reported_token_usage=r.token_usage, added_at_s=0.0,

@@ -12,6 +12,11 @@ Streaming: the request is submitted with ``stream="first"``: the engine reports 
 first token only (the gateway's lease moves from prefill to decode then) and renders no
 token ids after it.
 
+Admission (``SimConfig.admission``, the gateway's ``admission`` settings, on by default):
+the routed turn goes through `loadtest.fleetsim.admission` (the gateway's rule in virtual
+time): sent at once, or held and sent when its replica's released prefill drops below
+the budget, smallest predicted prefill first, at most ``max_wait_s`` later.
+
 Index mode (``SimConfig.index_mode``): ``approximate`` (the gateway's prediction from its
 own decisions, above) or ``precise`` (`loadtest.fleetsim.precise`: the engines publish
 their KV events into an ``EventBlockIndex``; before each decision every engine is brought
@@ -27,8 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.admission import AdmissionConfig
 from gateway.context import HashingConfig, SessionConfig, session_keys
 from gateway.settings import POLICIES_NEEDING_ROUTING_TEXT
+from loadtest.fleetsim.admission import SimAdmission
 from loadtest.fleetsim.metrics import Record, summarize
 from loadtest.fleetsim.oracle import Oracle
 from loadtest.fleetsim.precise import PreciseFleetIndex, SglangPages
@@ -46,6 +53,7 @@ from policies.sglang_cache_aware import SglangParams
 from prefix_index.base import ReplicaId
 from prefix_index.config import IndexConfig
 from prefix_index.memory import MemoryPrefixIndex
+from replicas.admission import Ticket
 from replicas.load import LoadLease
 from replicas.probe import Capacity
 
@@ -62,6 +70,7 @@ class SimConfig:
     loads_poll_interval_s: float = 1.0
     policy_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     index_mode: str = "approximate"  # or "precise" (loadtest.fleetsim.precise)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # the gateway's (gateway.admission)
 
 
 @dataclass
@@ -88,17 +97,19 @@ class _Conv:
 class _InFlight:
     """The engine's listener for one request (and the gateway's lease for it)."""
 
-    __slots__ = ("ctx", "decision", "lease", "on_done", "rec", "run")
+    __slots__ = ("ctx", "decision", "lease", "on_done", "rec", "run", "ticket")
 
     def __init__(self, run: FleetRun, rec: Record, ctx: RequestContext, decision: Decision,
                  lease: LoadLease, on_done: Done) -> None:
         self.run, self.rec, self.ctx, self.decision = run, rec, ctx, decision
         self.lease, self.on_done = lease, on_done
+        self.ticket: Ticket | None = None  # its place in prefill admission
 
     def on_tokens(self, rid: str, token_ids: Any, now_s: float) -> None:
         if self.rec.first_token_s is None:
             self.rec.first_token_s = now_s
             self.lease.first_byte()
+            self.run.admission.started(self.ticket)
 
     def on_finish(self, result: RequestResult, now_s: float) -> None:
         self.run.finished(self, result, now_s)
@@ -123,8 +134,9 @@ class FleetRun:
         spec = Capacity(prof.device_tokens, prof.host_tokens, prof.page_size, prof.max_running_requests,
                         prof.served_model_name)
         ids = [ReplicaId(f"sim-{i}") for i in range(cfg.replicas)]
+        self.admission = SimAdmission(cfg.admission, self.fleet)
         self.router = SimRouter(self.policy, self.index, ids, spec, self.fleet.snapshot, block, cfg.seed,
-                                cfg.loads_poll_interval_s)
+                                cfg.loads_poll_interval_s, held_prefill=self.admission.held)
         self.precise: PreciseFleetIndex | None = None
         if cfg.index_mode == "precise":
             self.precise = PreciseFleetIndex(prof.page_size)
@@ -185,7 +197,9 @@ class FleetRun:
         rec.oracle_cached = min(matched * session.block_size, t.in_tokens)
         req = SimRequest(ctx.request_id, ids, t.out_tokens, ignore_eos=True, seed=self.cfg.seed,
                          stream="first", page_hashes=prompt.page_hashes(ids, self.cfg.profile.page_size))
-        self.fleet.submit(slot, req, _InFlight(self, rec, ctx, decision, lease, on_done))
+        f = _InFlight(self, rec, ctx, decision, lease, on_done)
+        f.ticket = self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream, now_s)
+        self.admission.send_or_hold(f.ticket, lambda: self.fleet.submit(slot, req, f))
         if not rec.rejected:
             self.oracle.record(hashes, matched)
 
@@ -215,6 +229,7 @@ class FleetRun:
         rec = f.rec
         rec.finish_s = now_s
         f.lease.release()
+        self.admission.done(f.ticket)
         if result.finish_reason == "abort":
             rec.rejected = True
             outcome = Outcome(ok=False, status=503)

@@ -1,0 +1,128 @@
+"""The prefill admission rule (replicas/admission.py): pure, no clock."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefix_index.base import ReplicaId
+from replicas.admission import PrefillQueue, Ticket, TicketState
+from replicas.model import ReplicaState, ReplicaView
+
+A, B = ReplicaId("http://a"), ReplicaId("http://b")
+
+
+def queue(budget: int = 100, max_wait_s: float = 10.0) -> tuple[PrefillQueue, list[Ticket]]:
+    released: list[Ticket] = []
+    return PrefillQueue(budget, max_wait_s, released.append), released
+
+
+def test_below_the_budget_everything_is_sent_at_once() -> None:
+    q, later = queue(budget=100)
+    t1 = q.offer(A, 40, 0.0)
+    t2 = q.offer(A, 50, 0.0)
+    assert (t1.state, t2.state) == (TicketState.RELEASED, TicketState.RELEASED)
+    assert q.pending_tokens(A) == 90 and later == []
+
+
+def test_held_requests_go_smallest_first_when_a_prefill_ends() -> None:
+    q, later = queue(budget=100)
+    big = q.offer(A, 5000, 0.0)
+    held = [q.offer(A, n, 0.1 * i) for i, n in enumerate((3000, 20, 700, 20))]
+    assert all(t.state is TicketState.HELD for t in held)
+    assert q.held_sizes(A) == (20, 20, 700, 3000)
+    q.started(big)
+    # the two 20-token turns (arrival order), then 700 brings the replica over the budget
+    assert [(t.tokens, t.seq) for t in later] == [(20, held[1].seq), (20, held[3].seq), (700, held[2].seq)]
+    assert q.held_sizes(A) == (3000,)
+    assert all(t.released_by == "budget" for t in later)
+    for t in list(later):
+        q.started(t)
+    assert later[-1].tokens == 3000 and q.held(A) == 0
+
+
+def test_a_new_request_never_overtakes_a_held_one_while_over_budget() -> None:
+    q, _ = queue(budget=100)
+    q.offer(A, 500, 0.0)
+    small = q.offer(A, 10, 0.0)
+    assert small.state is TicketState.HELD  # over budget: held, then ordered
+    other = q.offer(B, 10, 0.0)
+    assert other.state is TicketState.RELEASED  # replicas are independent
+
+
+def test_the_age_bound_releases_a_starved_request() -> None:
+    q, later = queue(budget=100, max_wait_s=5.0)
+    q.offer(A, 500, 0.0)
+    cold = q.offer(A, 4000, 1.0)
+    assert q.next_deadline_s() == 6.0
+    assert q.expire(5.9) == []
+    assert q.expire(6.0) == [cold] and cold.released_by == "age"
+    assert later == [cold] and q.expired_total == 1 and q.next_deadline_s() is None
+
+
+def test_a_client_that_leaves_while_held_takes_nothing_with_it() -> None:
+    q, later = queue(budget=100)
+    big = q.offer(A, 500, 0.0)
+    gone = q.offer(A, 10, 0.0)
+    q.done(gone)
+    q.done(gone)  # idempotent
+    assert q.held(A) == 0 and gone.state is TicketState.DONE
+    q.done(big)
+    assert later == [] and q.pending_tokens(A) == 0
+    assert q.expire(1e9) == []
+
+
+def test_flush_releases_everything_held_for_a_replica_that_left() -> None:
+    q, later = queue(budget=100)
+    big = q.offer(A, 500, 0.0)
+    held = [q.offer(A, n, 0.0) for n in (30, 10)]
+    assert q.flush(A) == sorted(held)
+    assert [t.released_by for t in later] == ["flush", "flush"] and q.held() == 0
+    q.done(big)  # tickets of a flushed replica end without touching a new one
+    for t in held:
+        q.done(t)
+    assert q.offer(A, 10, 1.0).state is TicketState.RELEASED and q.pending_tokens(A) == 10
+
+
+ops = st.lists(st.tuples(st.sampled_from(["offer", "started", "done", "expire", "flush"]),
+                         st.integers(0, 1), st.integers(0, 20_000)), max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_invariants_over_any_sequence(steps: list[tuple[str, int, int]]) -> None:
+    """Pending is the sum of released, unstarted tickets; nothing is lost; ends drain it all."""
+    q, _ = queue(budget=8192, max_wait_s=30.0)
+    replicas, tickets, now = (A, B), [], 0.0
+    for op, which, n in steps:
+        now += 1.0
+        rid = replicas[which]
+        if op == "offer":
+            tickets.append(q.offer(rid, n, now))
+        elif op in ("started", "done") and tickets:
+            getattr(q, op)(tickets[n % len(tickets)])
+        elif op == "expire":
+            q.expire(now)
+        elif op == "flush":
+            q.flush(rid)
+        for t in tickets:
+            assert t.state in TicketState
+        for r in replicas:
+            live = [t for t in tickets if t.home is q._replicas[r]] if r in q._replicas else []
+            assert q.pending_tokens(r) == sum(t.tokens for t in live if t.state is TicketState.RELEASED)
+            assert q.held(r) == sum(t.state is TicketState.HELD for t in live)
+    q.expire(now + 31.0)  # the age bound releases every held ticket
+    assert all(t.state is not TicketState.HELD for t in tickets)
+    for t in tickets:
+        q.done(t)
+    assert q.pending_tokens(A) == q.pending_tokens(B) == 0 and q.held() == 0
+
+
+def test_the_view_counts_only_the_prefill_that_goes_first() -> None:
+    view = ReplicaView(id=A, state=ReplicaState.ACTIVE, pending_prefill_tokens=9_000 + 800 + 70_000,
+                       held_prefill=(800, 70_000), reported_waiting_uncached_tokens=5_000)
+    assert view.prefill_ahead(500) == 9_000  # a warm turn: only what was released
+    assert view.prefill_ahead(1_000) == 9_800
+    assert view.prefill_ahead(100_000) == 79_800  # a cold one waits for everything
+    fifo = ReplicaView(id=A, state=ReplicaState.ACTIVE, pending_prefill_tokens=3_000,
+                       reported_waiting_uncached_tokens=5_000)
+    assert fifo.prefill_ahead(1) == 5_000  # nothing held: first come, first served (the max)
