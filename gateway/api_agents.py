@@ -38,7 +38,7 @@ def _model(data: Mapping[str, Any]) -> str:
     return model
 
 
-def _check_messages(data: Mapping[str, Any], need_max_tokens: bool) -> None:
+def _check_messages(data: Mapping[str, Any], need_max_tokens: bool, cached: int) -> None:
     if need_max_tokens and data.get("max_tokens") is None:
         raise InvalidRequest("max_tokens: Field required", param="max_tokens")
     messages = data.get("messages")
@@ -46,9 +46,17 @@ def _check_messages(data: Mapping[str, Any], need_max_tokens: bool) -> None:
         raise InvalidRequest("messages: Field required", param="messages")
     if not isinstance(messages, list):
         raise InvalidRequest("messages: Input should be a valid list", param="messages")
-    if not messages and not data.get("system"):  # SGLang counts the system prompt as a message
+    if not messages and not cached and not data.get("system"):  # SGLang counts the system prompt as a message
         raise InvalidRequest("Messages cannot be empty.", param="messages")
-    for i, msg in enumerate(messages):
+    _check_message_items(messages, cached)
+    system = data.get("system")
+    if system is not None and not isinstance(system, (str, list)):
+        raise InvalidRequest("system: Input should be a string or an array of blocks", param="system")
+    _check_object(data, "metadata")
+
+
+def _check_message_items(messages: list[Any], cached: int) -> None:
+    for i, msg in enumerate(messages, cached):
         if not isinstance(msg, dict):
             raise InvalidRequest(f"messages.{i}: Input should be an object", param="messages")
         if msg.get("role") not in ANTHROPIC_ROLES:
@@ -57,10 +65,13 @@ def _check_messages(data: Mapping[str, Any], need_max_tokens: bool) -> None:
         if not isinstance(msg.get("content"), (str, list)):
             raise InvalidRequest(f"messages.{i}.content: Input should be a string or an array",
                                  param="messages")
-    system = data.get("system")
-    if system is not None and not isinstance(system, (str, list)):
-        raise InvalidRequest("system: Input should be a string or an array of blocks", param="system")
-    _check_object(data, "metadata")
+
+
+def check_items(endpoint: str, items: list[Any], cached: int) -> None:
+    """The per-message checks of ``check`` alone, for messages after ``cached`` checked ones
+    whose body's other fields passed ``check`` (``gateway.context_turns``)."""
+    if endpoint != "responses":  # Responses items are checked by their rendering
+        _check_message_items(items, cached)
 
 
 def _check_responses(data: Mapping[str, Any]) -> None:
@@ -84,13 +95,16 @@ def _check_object(data: Mapping[str, Any], name: str) -> None:
         raise InvalidRequest(f"{name}: Input should be an object", param=name)
 
 
-def check(endpoint: str, data: Mapping[str, Any]) -> str:
-    """Validate a Messages / count_tokens / Responses body; returns its model name."""
+def check(endpoint: str, data: Mapping[str, Any], cached: int = 0) -> str:
+    """Validate a Messages / count_tokens / Responses body; returns its model name.
+
+    ``cached``: how many messages (``input`` items) came before ``data``'s, checked already
+    (``gateway.context_turns`` checks only a later turn's new ones)."""
     model = _model(data)
     if endpoint == "responses":
         _check_responses(data)
     else:
-        _check_messages(data, need_max_tokens=endpoint == "messages")
+        _check_messages(data, need_max_tokens=endpoint == "messages", cached=cached)
     tools = data.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise InvalidRequest("tools: Input should be a valid list", param="tools")

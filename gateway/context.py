@@ -12,6 +12,13 @@ request needs more than a dozen. The check costs one C-speed ``orjson.dumps`` of
 parsed body wrapped in ``254 - 128`` lists, which fails exactly when the body is deeper
 than 128 (~3 % of a 400 KB request's parse and hash), and is skipped for bodies too short
 to nest that deep.
+
+A coding agent's later turn re-sends its history: with the cache of earlier turns on
+(``HashingConfig.prefix_cache_entries`` / ``prefix_cache_bytes``, bodies of at least
+``prefix_cache_min_bytes``), chat, Messages, count_tokens and Responses bodies go through
+``gateway.context_turns``, which parses, checks, renders and hashes only what is new and
+gives the same ``RequestContext`` (and, by falling back to this module's full path on
+anything unexpected, the same errors).
 """
 from __future__ import annotations
 
@@ -21,10 +28,11 @@ from typing import Any, Protocol
 
 import orjson
 import xxhash
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from gateway import api_agents as agent_api
-from gateway import conversation, prefix_hash
+from gateway import context_turns, conversation, prefix_hash
+from gateway.context_cache import CacheSlot, ContextCache
 from gateway.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from policies.base import RequestContext, SessionKeys
 
@@ -40,6 +48,7 @@ AGENT_ENDPOINTS = agent_api.ENDPOINTS  # messages, count_tokens, responses: vali
 MAX_KEY_CHARS = 128  # longer session keys / request ids are replaced by a digest
 MAX_JSON_DEPTH = 128  # arrays/objects nested deeper are refused (see the module docstring)
 _ORJSON_MAX_DEPTH = 254  # orjson.dumps raises beyond this
+DEPTH_PAD = _ORJSON_MAX_DEPTH - MAX_JSON_DEPTH  # lists around a document in check_depth
 
 
 class HashingConfig(BaseModel):
@@ -49,6 +58,17 @@ class HashingConfig(BaseModel):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="larger bodies get 413")
     keep_routing_text: bool = Field(default=False, description="build routing_text (sglang-cache-aware baseline)")
     routing_key_blocks: int = Field(default=1, ge=1, description="prefix blocks named by a session-less routing key")
+    prefix_cache_entries: int = Field(
+        default=4096, ge=0, description="request states kept so a later turn costs only its new part (0: off)")
+    prefix_cache_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=0, description="estimated bytes those states may hold (0: off)")
+    prefix_cache_min_bytes: int = Field(
+        default=16 * 1024, ge=0, description="smaller bodies skip that cache (the full path is as cheap)")
+    _cache: CacheSlot = PrivateAttr(default_factory=CacheSlot)
+
+    def context_cache(self) -> ContextCache | None:
+        """This configuration's cache of earlier turns (``gateway.context_cache``), None when off."""
+        return self._cache.get(self.prefix_cache_entries, self.prefix_cache_bytes)
 
 
 class SessionConfig(BaseModel):
@@ -136,13 +156,16 @@ def _parse(body: bytes, limit: int) -> dict[str, Any]:
     return data
 
 
-def check_depth(document: Any) -> None:
-    """Raise ``InvalidRequest`` when ``document`` nests deeper than ``MAX_JSON_DEPTH``."""
+def check_depth(document: Any) -> bytes:
+    """Raise ``InvalidRequest`` when ``document`` nests deeper than ``MAX_JSON_DEPTH``.
+
+    Returns what the check serialized: orjson's spelling of ``document`` inside
+    ``DEPTH_PAD`` brackets each side (``gateway.context_turns`` compares it with the body)."""
     wrapped = document
-    for _ in range(_ORJSON_MAX_DEPTH - MAX_JSON_DEPTH):
+    for _ in range(DEPTH_PAD):
         wrapped = [wrapped]
     try:
-        orjson.dumps(wrapped)
+        return orjson.dumps(wrapped)
     except orjson.JSONEncodeError as exc:
         raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from exc
 
@@ -174,10 +197,11 @@ def _model(data: Mapping[str, Any]) -> str:
     return model
 
 
-def _check_messages(messages: Any) -> list[Any]:
-    if not isinstance(messages, list) or not messages:
+def _check_messages(messages: Any, cached: int = 0) -> list[Any]:
+    """``cached``: messages before these, checked already (``gateway.context_turns``)."""
+    if not isinstance(messages, list) or not (messages or cached):
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    for i, msg in enumerate(messages):
+    for i, msg in enumerate(messages, cached):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param="messages")
         content = msg.get("content")
@@ -241,13 +265,24 @@ def build_context(
     """Validate and parse ``body`` once; hash its canonical rendering; name its session.
 
     ``headers`` must have lower-case keys. Raises ``InvalidRequest`` (400),
-    ``UnsupportedMediaType`` (415) or ``PayloadTooLarge`` (413).
+    ``UnsupportedMediaType`` (415) or ``PayloadTooLarge`` (413). Chat, Messages,
+    count_tokens and Responses bodies go through ``gateway.context_turns`` when the
+    configuration's cache is on (same result, a later turn costs only its new part).
     """
     kind = ENDPOINTS.get(endpoint)
     if kind is None:
         raise ValueError(f"unknown endpoint {endpoint!r}")
     hcfg = cfg.hashing
     _check_content_type(content_type)
+    if len(body) > hcfg.max_body_bytes:
+        raise PayloadTooLarge(f"request body is {len(body)} bytes; the limit is {hcfg.max_body_bytes}")
+    if (kind in conversation.LAYOUTS and len(body) >= hcfg.prefix_cache_min_bytes and type(body) is bytes
+            and hcfg.max_blocks > 0 and not hcfg.keep_routing_text and (cache := hcfg.context_cache()) is not None):
+        done = context_turns.resume(kind, body, _cache_key(kind, headers, body, cfg.sessions), cache,
+                                    hcfg.block_chars, hcfg.max_blocks, _checks(kind))
+        if done is not None:
+            return _context(kind, headers, cfg, done.model, done.session_field, done.hashes, done.chars, None,
+                            done.short_raw, done.max_tokens, done.stream, "", done.payload)
     data = _parse(body, hcfg.max_body_bytes)
     model = agent_api.check(kind, data) if kind in AGENT_ENDPOINTS else _model(data)
     max_tokens, stream = _max_tokens(kind, data), _stream(data)
@@ -256,9 +291,17 @@ def build_context(
     except orjson.JSONEncodeError as exc:  # unreachable after check_depth; never a 500
         raise InvalidRequest(f"the JSON body cannot be rendered: {exc}") from exc
     hashes = prefix_hash.chain_hashes(raw, model, hcfg.block_chars, hcfg.max_blocks)
+    return _context(kind, headers, cfg, model, agent_api.session_field(kind, data), hashes, chars, n_tokens, raw,
+                    max_tokens, stream, routing_text, data)
+
+
+def _context(kind: str, headers: Mapping[str, str], cfg: ContextSettings, model: str, session_field: Any,
+             hashes: tuple[int, ...], chars: int, n_tokens: int | None, raw: bytes, max_tokens: int | None,
+             stream: bool, routing_text: str, payload: Mapping[str, Any]) -> RequestContext:
+    hcfg = cfg.hashing
     if n_tokens is not None:
         chars = int(n_tokens * hcfg.chars_per_token)
-    session = session_keys(headers, agent_api.session_field(kind, data), cfg.sessions)
+    session = session_keys(headers, session_field, cfg.sessions)
     request_id = headers.get("x-request-id") or os.urandom(12).hex()
     return RequestContext(
         request_id=_bounded(request_id),
@@ -273,8 +316,52 @@ def build_context(
         stream=stream,
         routing_key=session.session or _prefix_key(raw, model, hashes, hcfg.routing_key_blocks),
         routing_text=routing_text,
-        payload=data,
+        payload=payload,
     )
+
+
+_ANCHOR_BYTES = 512  # a session-less body's cache key: a digest of its first bytes
+
+
+def _cache_key(kind: str, headers: Mapping[str, str], body: bytes, cfg: SessionConfig) -> tuple[str, str, Any]:
+    """Where ``gateway.context_cache`` files a body: its session header, else its first bytes."""
+    for name in cfg.headers:
+        value = headers.get(name)
+        if value:
+            return kind, name, _bounded(value)
+    return kind, "", xxhash.xxh3_64_intdigest(body[:_ANCHOR_BYTES])
+
+
+def _checks(kind: str) -> context_turns.Checks:
+    """What ``gateway.context_turns`` checks of a body: the same as the full path."""
+    def items(messages: list[Any], cached: int) -> None:
+        if kind in AGENT_ENDPOINTS:
+            agent_api.check_items(kind, messages, cached)
+        else:
+            _check_messages(messages, cached)
+
+    def depth(listed: list[Any]) -> None:  # a list at the messages' depth: inside the body's object
+        check_depth([listed])
+
+    return context_turns.Checks(_validate_turn(kind), items, depth,
+                                lambda top: agent_api.session_field(kind, top))
+
+
+def _validate_turn(kind: str) -> context_turns.Validate:
+    """The full path's checks of a body, for the skeleton of a resumed one. Also says
+    whether the skeleton is orjson's own spelling of what it parsed to (compact JSON, as
+    JSON.stringify writes it), from the depth check's serialization."""
+    def validate(parsed: Any, top: dict[str, Any], cached: int, skeleton: bytes
+                 ) -> tuple[str, int | None, bool, bool]:
+        spelled = check_depth(parsed) if len(skeleton) >= 2 * MAX_JSON_DEPTH else b""
+        if kind in AGENT_ENDPOINTS:
+            model = agent_api.check(kind, top, cached)
+        else:
+            model = _model(top)
+            _check_messages(top.get("messages"), cached)
+        own = len(spelled) == len(skeleton) + 2 * DEPTH_PAD and spelled.startswith(skeleton, DEPTH_PAD)
+        return model, _max_tokens(kind, top), _stream(top), own
+    return validate
 
 
 def _prefix_key(raw: bytes, model: str, hashes: tuple[int, ...], depth: int) -> str:

@@ -29,7 +29,8 @@ A structure this module cannot read raises ``ShapeError`` (a ``ValueError``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -167,20 +168,35 @@ def _chat_tool_calls(calls: Any, out: list[str]) -> None:
             out += ["\x04", f"<call:{_digest(call)}>"]
 
 
-def render_chat(messages: Sequence[Any], tools: Any = None) -> str:
-    """OpenAI chat completions: ``tools``, then each message."""
+def _tools_head(tools: Any) -> str:
     out: list[str] = []
     _tools(tools, out)
+    return "".join(out)
+
+
+def chat_head(body: Mapping[str, Any]) -> str:
+    """What chat renders before its ``messages``: the tools."""
+    return _tools_head(body.get("tools"))
+
+
+def chat_item(msg: Any, out: list[str], state: str | None = None) -> None:
+    """One chat message (see ``Layout.item``)."""
+    if not isinstance(msg, dict):
+        raise ShapeError("'messages' entries must be objects")
+    role = msg.get("role")
+    _open(ROLES.get(role, str(role)) if isinstance(role, str) else "", out)
+    _content(msg.get("content"), out)
+    _chat_tool_calls(msg.get("tool_calls"), out)
+    if isinstance(msg.get("function_call"), dict):
+        _chat_tool_calls([{"function": msg["function_call"]}], out)
+    out.append("\x03")
+
+
+def render_chat(messages: Sequence[Any], tools: Any = None) -> str:
+    """OpenAI chat completions: ``tools``, then each message."""
+    out: list[str] = [_tools_head(tools)]
     for msg in messages:
-        if not isinstance(msg, dict):
-            raise ShapeError("'messages' entries must be objects")
-        role = msg.get("role")
-        _open(ROLES.get(role, str(role)) if isinstance(role, str) else "", out)
-        _content(msg.get("content"), out)
-        _chat_tool_calls(msg.get("tool_calls"), out)
-        if isinstance(msg.get("function_call"), dict):
-            _chat_tool_calls([{"function": msg["function_call"]}], out)
-        out.append("\x03")
+        chat_item(msg, out)
     return "".join(out)
 
 
@@ -201,83 +217,124 @@ def _anthropic_user(blocks: list[Any], out: list[str]) -> None:
         out.append("\x03")
 
 
-def render_messages(body: Mapping[str, Any]) -> str:
-    """Anthropic Messages: ``tools``, the top-level ``system``, then each message."""
-    out: list[str] = []
-    _tools(body.get("tools"), out)
+def messages_head(body: Mapping[str, Any]) -> str:
+    """What Anthropic Messages render before ``messages``: the tools, the top-level ``system``."""
+    out: list[str] = [_tools_head(body.get("tools"))]
     system = body.get("system")
     if system:
         _open("system", out)
         _content(system, out)
         out.append("\x03")
+    return "".join(out)
+
+
+def messages_item(msg: Any, out: list[str], state: str | None = None) -> None:
+    """One Anthropic message (see ``Layout.item``)."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+        raise ShapeError("'messages' entries must be objects with a string 'role'")
+    content = msg.get("content")
+    if msg["role"] == "user" and isinstance(content, list):
+        _anthropic_user(content, out)
+        return
+    role: str = msg["role"]
+    _open(ROLES.get(role, role), out)
+    _content(content, out)
+    out.append("\x03")
+
+
+def render_messages(body: Mapping[str, Any]) -> str:
+    """Anthropic Messages: ``tools``, the top-level ``system``, then each message."""
+    out: list[str] = [messages_head(body)]
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ShapeError("'messages' must be an array")
     for msg in messages:
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise ShapeError("'messages' entries must be objects with a string 'role'")
-        content = msg.get("content")
-        if msg["role"] == "user" and isinstance(content, list):
-            _anthropic_user(content, out)
-            continue
-        role: str = msg["role"]
-        _open(ROLES.get(role, role), out)
-        _content(content, out)
-        out.append("\x03")
+        messages_item(msg, out)
     return "".join(out)
 
 
-def _responses_items(items: Iterable[Any], out: list[str]) -> None:
-    """Responses ``input`` items; function calls join the assistant turn before them."""
-    open_role: str | None = None
+def responses_item(item: Any, out: list[str], open_role: str | None) -> str | None:
+    """One Responses ``input`` item; returns the turn left open (function calls join the
+    assistant turn before them, so a message's turn closes only when the next item starts)."""
+    if isinstance(item, str):
+        item = {"type": "message", "role": "user", "content": item}
+    if not isinstance(item, dict):
+        raise ShapeError("'input' items must be objects or strings")
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        if open_role != "assistant":
+            responses_end(open_role, out)
+            _open("assistant", out)
+        out += ["\x04", str(item.get("name", "")), "\x05", _arguments(item.get("arguments", ""))]
+        return "assistant"
+    responses_end(open_role, out)
+    if kind == "function_call_output":
+        _open("tool", out)
+        _content(item.get("output"), out)
+        out.append("\x03")
+        return None
+    if kind == "message":
+        role = item.get("role", "user")
+        opened = ROLES.get(role, str(role)) if isinstance(role, str) else "user"
+        _open(opened, out)
+        _content(item.get("content"), out)
+        return opened
+    _open("item", out)  # reasoning, web_search_call, ...: opaque but part of the prefix
+    out += [f"<{kind}:{_digest(item)}>", "\x03"]
+    return None
 
-    def close() -> None:
-        nonlocal open_role
-        if open_role is not None:
-            out.append("\x03")
-            open_role = None
 
-    for item in items:
-        if isinstance(item, str):
-            item = {"type": "message", "role": "user", "content": item}
-        if not isinstance(item, dict):
-            raise ShapeError("'input' items must be objects or strings")
-        kind = item.get("type", "message")
-        if kind == "function_call":
-            if open_role != "assistant":
-                close()
-                _open("assistant", out)
-                open_role = "assistant"
-            out += ["\x04", str(item.get("name", "")), "\x05", _arguments(item.get("arguments", ""))]
-        elif kind == "function_call_output":
-            close()
-            _open("tool", out)
-            _content(item.get("output"), out)
-            out.append("\x03")
-        elif kind == "message":
-            close()
-            role = item.get("role", "user")
-            open_role = ROLES.get(role, str(role)) if isinstance(role, str) else "user"
-            _open(open_role, out)
-            _content(item.get("content"), out)
-        else:  # reasoning, web_search_call, ...: opaque but part of the prefix
-            close()
-            _open("item", out)
-            out += [f"<{kind}:{_digest(item)}>", "\x03"]
-    close()
+def responses_end(open_role: str | None, out: list[str]) -> None:
+    """Close the turn ``responses_item`` left open, if any."""
+    if open_role is not None:
+        out.append("\x03")
+
+
+def responses_head(body: Mapping[str, Any]) -> str:
+    """What Responses render before ``input``: the tools, ``instructions`` as the system turn."""
+    out: list[str] = [_tools_head(body.get("tools"))]
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        out += ["\x01system\x02", instructions, "\x03"]
+    return "".join(out)
 
 
 def render_responses(body: Mapping[str, Any]) -> str:
     """OpenAI Responses: ``tools``, ``instructions`` as the system turn, then ``input``."""
-    out: list[str] = []
-    _tools(body.get("tools"), out)
-    instructions = body.get("instructions")
-    if isinstance(instructions, str) and instructions:
-        out += ["\x01system\x02", instructions, "\x03"]
+    out: list[str] = [responses_head(body)]
     items = body.get("input")
     if isinstance(items, str):
         items = [items]
     if not isinstance(items, list):
         raise ShapeError("'input' must be a string or an array")
-    _responses_items(items, out)
+    state: str | None = None
+    for item in items:
+        state = responses_item(item, out, state)
+    responses_end(state, out)
     return "".join(out)
+
+
+def _no_end(state: str | None, out: list[str]) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one API's body renders, piece by piece: ``head(body)``, then each item of
+    ``body[field]`` appended by ``item(item, out, state) -> state`` (the state is the turn
+    a Responses item leaves open, else None), then ``end(state, out)``. The ``render_*``
+    functions above are exactly this sequence, so a rendering resumed at an item boundary
+    (``gateway.context_turns``) equals the whole one."""
+
+    field: str
+    head: Callable[[Mapping[str, Any]], str]
+    item: Callable[[Any, list[str], str | None], str | None]
+    end: Callable[[str | None, list[str]], None]
+
+
+LAYOUTS: dict[str, Layout] = {
+    "chat": Layout("messages", chat_head, chat_item, _no_end),
+    "messages": Layout("messages", messages_head, messages_item, _no_end),
+    "count_tokens": Layout("messages", messages_head, messages_item, _no_end),
+    "responses": Layout("input", responses_head, responses_item, responses_end),
+}

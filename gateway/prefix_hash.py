@@ -35,15 +35,23 @@ def model_seed(model: str) -> int:
 
 def chain_hashes(data: bytes, model: str, block_bytes: int, max_blocks: int) -> tuple[int, ...]:
     """Chained xxh3_64 hashes of the full ``block_bytes`` blocks of ``data`` (at most ``max_blocks``)."""
-    n = min(len(data) // block_bytes, max_blocks) if block_bytes > 0 else 0
-    h = model_seed(model)
+    return tuple(extend_chain(model_seed(model), data, block_bytes, max_blocks))
+
+
+def extend_chain(h: int, data: bytes, block_bytes: int, room: int) -> list[int]:
+    """The chain continued from hash ``h`` over the full blocks of ``data`` (at most ``room``).
+
+    ``chain_hashes`` is this from the model's seed; ``gateway.context_turns`` resumes a
+    chain from a cached state (its last hash, and ``data`` starting with the state's
+    unhashed tail), which gives the same hashes as hashing the whole rendering again."""
+    n = min(len(data) // block_bytes, room) if block_bytes > 0 else 0
     out: list[int] = []
     append, xxh = out.append, _xxh
     # slicing bytes (a 256-byte copy) is cheaper than a memoryview slice object; ~25% faster
     for start in range(0, n * block_bytes, block_bytes):
         h = xxh(data[start:start + block_bytes], h)
         append(h)
-    return tuple(out)
+    return out
 
 
 def chat_routing_text(messages: Sequence[Any]) -> str:

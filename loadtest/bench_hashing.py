@@ -7,6 +7,14 @@ possible): ``build_context`` p50/p99 wall and CPU, and its parts (orjson parse, 
 hash).
 
     python -m loadtest.bench_hashing [--kb 400] [--iterations 500]
+    kvgate bench hashing --turns [--kb 400] [--iterations 300]
+
+``--turns`` measures the cache of earlier turns (issue 15, ``gateway.context_cache``): CPU
+per ``build_context`` call (``time.process_time``) for a ``--kb`` KB Anthropic Messages body
+(Claude Code's shape: ``cache_control`` on the newest message, moved each turn) and the
+chat body above, as a *first turn* (nothing cached) and a *later turn* (the previous turn,
+~2 KB shorter, built just before, untimed), with the cache off (before) and on (after),
+in one run; the load average is printed with the table.
     kvgate bench hashing --precise [--tokenizer-dir DIR] [--page-sizes 1,64] [--iterations 200]
 
 ``--precise`` measures precise mode's request path instead (issue 13): the chat template,
@@ -29,7 +37,7 @@ from typing import Any
 import orjson
 
 from gateway import conversation, prefix_hash
-from gateway.context import ContextConfig, build_context
+from gateway.context import ContextConfig, HashingConfig, build_context
 from loadtest.percentile import percentile
 
 WORDS = ["def", "class", "return", "import", "self", "value", "None", "if", "else", "for", "in", "while", "try", "except", "with", "as", "yield", "lambda"]
@@ -57,6 +65,75 @@ def make_body(kb: int, seed: int = 0) -> bytes:
     return orjson.dumps({"model": "qwen3-coder", "messages": messages, "tools": tools, "stream": True, "max_tokens": 1024})
 
 
+def make_messages_body(kb: int, seed: int = 0, turns_back: int = 0) -> bytes:
+    """An Anthropic Messages request of about ``kb`` KB, shaped like a Claude Code turn:
+    system blocks and tools with ``cache_control``, then user / assistant tool_use / user
+    tool_result turns; the newest message carries the ``cache_control`` marker. With
+    ``turns_back`` = 1: the same conversation one tool round (~2 KB) earlier."""
+    rng = random.Random(seed)
+    mark = {"type": "ephemeral"}
+    tools = [{"name": f"tool_{i}", "description": _text(rng, 40),
+              "input_schema": {"type": "object", "properties": {"arg": {"type": "string"}}}} for i in range(12)]
+    tools[-1]["cache_control"] = mark
+    system = [{"type": "text", "text": _text(rng, 3000), "cache_control": mark}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": _text(rng, 120)}]}]
+    while len(orjson.dumps(messages)) < kb * 1000 - 6000:
+        messages.append({"role": "assistant", "content": [
+            {"type": "text", "text": _text(rng, 30)},
+            {"type": "tool_use", "id": f"toolu_{len(messages)}", "name": "tool_1", "input": {"arg": _text(rng, 20)}}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{len(messages) - 1}", "content": _text(rng, 250)}]})
+    messages = messages[:len(messages) - 2 * turns_back]
+    last = messages[-1]["content"][-1]
+    messages[-1] = {**messages[-1], "content": [*messages[-1]["content"][:-1], {**last, "cache_control": mark}]}
+    return orjson.dumps({"model": "claude-sonnet-4-5", "messages": messages, "system": system, "tools": tools,
+                         "metadata": {"user_id": "user_bench_session"}, "max_tokens": 32000, "stream": True})
+
+
+def run_turns(args: argparse.Namespace) -> int:
+    """CPU per build_context: first and later turns, cache off and on (see the module docstring)."""
+    n = args.iterations
+    chat = orjson.loads(make_body(args.kb))
+    bodies = {
+        "messages": (make_messages_body(args.kb, turns_back=1), make_messages_body(args.kb)),
+        "chat": (orjson.dumps({**chat, "messages": chat["messages"][:-3]}), orjson.dumps(chat)),
+    }
+    headers = {"x-claude-code-session-id": "bench"}
+    load = os.getloadavg()
+    print(f"build_context CPU per request (time.process_time, {n} requests a row); load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"{'api':9s} {'turn':6s} {'cache':6s} {'body':>9s} {'mean':>9s} {'p50':>9s} {'p99':>9s}")
+    for api, (earlier, body) in bodies.items():
+        for turn in ("first", "later"):
+            rows = _turn_cpu(api, earlier if turn == "later" else None, body, headers, n)
+            for cache, cpu in zip(("off", "on"), rows, strict=True):
+                mean = sum(cpu) / len(cpu)
+                print(f"{api:9s} {turn:6s} {cache:6s} {len(body):9,d} {mean * 1e6:7.0f}us "
+                      f"{_q(cpu, .5) * 1e6:7.0f}us {_q(cpu, .99) * 1e6:7.0f}us")
+    return 0
+
+
+def _q(sorted_values: list[float], q: float) -> float:
+    return percentile(sorted_values, q * 100) or 0.0
+
+
+def _turn_cpu(api: str, earlier: bytes | None, body: bytes, headers: dict[str, str], n: int
+              ) -> tuple[list[float], list[float]]:
+    """CPU of ``build_context(body)``, cache off and on, interleaved (both see the same
+    machine); before each, untimed: a fresh cache that has seen ``earlier``."""
+    off: list[float] = []
+    on: list[float] = []
+    for _ in range(n):
+        for cpu, entries in ((off, 0), (on, 4096)):
+            cfg = ContextConfig(hashing=HashingConfig(prefix_cache_entries=entries))
+            if earlier is not None:
+                build_context(api, earlier, headers, "application/json", cfg)
+            c = time.process_time()
+            build_context(api, body, headers, "application/json", cfg)
+            cpu.append(time.process_time() - c)
+    return sorted(off), sorted(on)
+
+
 def _measure(fn: Callable[[], object], n: int) -> tuple[list[float], list[float]]:
     wall, cpu = [], []
     for _ in range(n):
@@ -79,6 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kb", type=int, default=400, help="body size in KB")
     parser.add_argument("--iterations", type=int, default=500)
     parser.add_argument("--precise", action="store_true", help="precise mode: tokenize + page-hash cost")
+    parser.add_argument("--turns", action="store_true", help="first vs later turns, cache of earlier turns off/on")
     parser.add_argument("--tokenizer-dir", default=None, help="--precise: a model dir with tokenizer.json")
     parser.add_argument("--page-sizes", default="1,64", help="--precise: SGLang page sizes to measure")
 
@@ -88,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         os.sched_setaffinity(0, {0})  # one core
     if args.precise:
         return run_precise(args, make_body(args.kb))
+    if args.turns:
+        return run_turns(args)
     body = make_body(args.kb)
     cfg = ContextConfig()
     headers = {"x-claude-code-session-id": "bench"}
@@ -98,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"body {len(body):,} bytes, {len(data['messages'])} messages, {ctx.prompt_chars:,} rendered chars, "
           f"{len(ctx.block_hashes)} blocks of {cfg.hashing.block_chars} bytes; {args.iterations} iterations")
     n = args.iterations
-    print(_line("build_context", *_measure(lambda: build_context("chat", body, headers, "application/json", cfg), n)))
+    off = ContextConfig(hashing=HashingConfig(prefix_cache_entries=0))
+    print(_line("build_context", *_measure(lambda: build_context("chat", body, headers, "application/json", off), n)))
+    print(_line("  cached", *_measure(lambda: build_context("chat", body, headers, "application/json", cfg), n))
+          + "   (the same body again: all of it cached; --turns for turns)")
     print(_line("  orjson.loads", *_measure(lambda: orjson.loads(body), n)))
     print(_line("  render", *_measure(lambda: conversation.render_chat(data["messages"], data["tools"]).encode(), n)))
     print(_line("  hash chain", *_measure(lambda: prefix_hash.chain_hashes(raw, "qwen3-coder", 256, 8192), n)))
