@@ -13,6 +13,15 @@ and random chains filling each replica to its capacity. Measured:
 - memory: process RSS growth for the embedded index, ``used_memory`` for Redis.
 
     python -m loadtest.bench_index            # starts its own redis-server on a free port
+    python -m loadtest.bench_index --policy 8,64,512   # the cache-aware decision alone
+
+``--policy``: the `cache-aware` policy's ``decide`` alone (no index) over N replicas of
+2M device + 4M host tokens with seeded random loads and working sets, half holding a
+64-block shared prompt: a session's 100k-token turn (its home holds 1,500 blocks) and a
+new session's first turn (the placement and new-session terms apply). ``--with-policy``:
+the timed decisions also run that decision over the index's matches. ``--churn N``: N
+records of new chains on one full compact replica (each evicts as many blocks: the table
+work the compact store bounds per call). Results: docs/results-cost.md.
 """
 from __future__ import annotations
 
@@ -34,11 +43,14 @@ import numpy as np
 import redis
 
 from loadtest.percentile import percentile
-from prefix_index.base import PrefixIndex, ReplicaCapacity, ReplicaId, SessionEntry
+from policies.base import RequestContext, RoutingInputs, SessionKeys
+from policies.registry import make_policy
+from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
 from prefix_index.compact import CompactPrefixIndex
 from prefix_index.config import IndexConfig
 from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.redis_backend import RedisPrefixIndex
+from replicas.model import ReplicaState, ReplicaView
 
 
 @dataclass(frozen=True)
@@ -113,13 +125,19 @@ class Decisions:
     kept: float  # share of returning turns whose replica still held the previous turn's chain
 
 
+Decide = Callable[[list[int], dict[ReplicaId, PrefixMatch], SessionEntry | None], object]
+
+
 async def time_decisions(index: PrefixIndex, w: IndexWorkload, n: int, turn_blocks: int, seed: int = 1,
-                         after_first_turns: Callable[[], None] = lambda: None) -> Decisions:
+                         after_first_turns: Callable[[], None] = lambda: None,
+                         decide: Decide | None = None) -> Decisions:
     """``n`` decisions, each one turn of a session picked round-robin (match + session read +
     record + session write): the session's chain grows by ``turn_blocks`` new blocks a turn
     and is recorded on its replica (the session's replica; a new session gets replica
     ``s % replicas``). Every session's first turn (a new 1,500-block chain) runs first,
-    untimed, then ``after_first_turns()``: the timed decisions are follow-up turns."""
+    untimed, then ``after_first_turns()``: the timed decisions are follow-up turns.
+    ``decide`` (``--with-policy``): also timed, between the reads and the writes (its pick
+    is not used, so the workload stays the same)."""
     rng = random.Random(seed)
     chains = [list(c) for c in w.sessions]
     wall: list[float] = []
@@ -137,6 +155,8 @@ async def time_decisions(index: PrefixIndex, w: IndexWorkload, n: int, turn_bloc
         t, c = time.perf_counter(), time.process_time()
         matches = await index.match(chain, w.replicas)
         session = await index.get_session(f"s{s}")
+        if decide is not None:
+            decide(chain, matches, session)
         best = session.replica if session else w.replicas[s % len(w.replicas)]
         await index.record(best, chain)
         await index.set_session(f"s{s}", SessionEntry(best, len(chain) * 64, time.time()))
@@ -177,8 +197,23 @@ def _redis_cpu(client: redis.Redis) -> float:
 EMBEDDED: dict[str, Callable[[], PrefixIndex]] = {"memory": MemoryPrefixIndex, "compact": CompactPrefixIndex}
 
 
+def policy_decider(w: IndexWorkload) -> Decide:
+    """``--with-policy``: the cache-aware decision over the index's matches, replicas with
+    the seeded loads and working sets of ``--policy`` (`policy_inputs`)."""
+    policy = make_policy("cache-aware", {}, 0)
+    rng = policy.new_rng()
+    _, base = policy_inputs(len(w.replicas), False, 0)
+
+    def decide(chain: list[int], matches: dict[ReplicaId, PrefixMatch], session: SessionEntry | None) -> object:
+        tokens = len(chain) * 64
+        ctx = RequestContext("r", "chat", "m", SessionKeys("s"), tuple(chain), tokens * 4, tokens, 64, 256)
+        inputs = RoutingInputs(base.replicas, matches, session, None, base.resident_tokens, base.now_s)
+        return policy.decide(ctx, inputs, rng)
+    return decide
+
+
 async def bench_embedded(backend: str, w: IndexWorkload, n: int, turn_blocks: int,
-                         freeze: bool) -> dict[str, float]:
+                         freeze: bool, with_policy: bool = False) -> dict[str, float]:
     """Fill, then time lookups and decisions; RSS is the process's growth over the fill
     (``freeze``: ``gc.freeze()`` after it, as a gateway would after start-up)."""
     gc.collect()
@@ -193,7 +228,9 @@ async def bench_embedded(backend: str, w: IndexWorkload, n: int, turn_blocks: in
     blocks = w.capacity.device_blocks + w.capacity.host_blocks
     wall, cpu = await time_lookups(index, w, n)
     out = {"fill_s": fill_s, "rss_mb": rss / 2**20, "bytes_per_block": rss / max(blocks * len(w.replicas), 1),
-           **_lookup_stats(wall, cpu), **_decision_stats(await time_decisions(index, w, n, turn_blocks))}
+           **_lookup_stats(wall, cpu)}
+    decide = policy_decider(w) if with_policy else None
+    out.update(_decision_stats(await time_decisions(index, w, n, turn_blocks, decide=decide)))
     del index
     gc.unfreeze()
     gc.collect()
@@ -272,6 +309,62 @@ async def bench_redis(w: IndexWorkload, n: int, url: str, turn_blocks: int) -> d
     return results
 
 
+def policy_inputs(n: int, new_session: bool, seed: int) -> tuple[RequestContext, RoutingInputs]:
+    """One decision's inputs for ``--policy`` (see the module docstring)."""
+    rng = random.Random(seed)
+    views = tuple(ReplicaView(
+        ReplicaId(f"http://10.0.0.{i}:30000"), ReplicaState.ACTIVE, 2_000_000, 4_000_000, 64, 64,
+        in_flight=rng.randint(0, 40), pending_prefill_tokens=rng.randint(0, 200_000), decoding=rng.randint(0, 40),
+        reported_running=rng.randint(0, 40), reported_waiting=rng.randint(0, 8),
+        reported_waiting_uncached_tokens=rng.randint(0, 200_000)) for i in range(n))
+    matches = {v.id: PrefixMatch(64 if i % 2 else 0) for i, v in enumerate(views)}
+    session = None if new_session else SessionEntry(views[0].id, 96_000, 0.0)
+    if session is not None:
+        matches[views[0].id] = PrefixMatch(1_000, 500)
+    tokens = 4_096 if new_session else 96_000
+    ctx = RequestContext("r", "chat", "m", SessionKeys("s"), tuple(range(tokens // 64)), tokens * 4, tokens, 64, 256)
+    resident = {v.id: rng.randint(0, 6_000_000) for v in views}
+    return ctx, RoutingInputs(views, matches, session, None, resident, 1_000.0)
+
+
+def bench_policy(n: int, iterations: int) -> dict[str, float]:
+    """Wall and CPU microseconds of ``cache-aware``'s ``decide`` at ``n`` replicas."""
+    policy = make_policy("cache-aware", {}, 0)
+    rng = policy.new_rng()
+    out: dict[str, float] = {}
+    for case, new in (("turn", False), ("new", True)):
+        cases = [policy_inputs(n, new, s) for s in range(20)]
+        wall, cpu = [], []
+        for i in range(iterations):
+            c, inputs = cases[i % len(cases)]
+            t, p = time.perf_counter(), time.process_time()
+            policy.decide(c, inputs, rng)
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - p)
+        out.update({f"{case}_{k}": v for k, v in _lookup_stats(wall, cpu).items()})
+    return out
+
+
+def bench_churn(blocks: int, chain_blocks: int, records: int, seed: int = 0) -> dict[str, float]:
+    """``--churn``: one compact replica of ``blocks`` blocks (a third on device) filled, then
+    ``records`` chains of ``chain_blocks`` new blocks (each evicts as many): wall time per
+    ``record`` and table slots moved per call (tidying; the old table rehashed here)."""
+    index = CompactPrefixIndex(default_capacity=ReplicaCapacity(blocks // 3, blocks - blocks // 3))
+    rid, rng = ReplicaId("r"), np.random.default_rng(seed)
+    chains = (rng.integers(0, 2**64, size=chain_blocks, dtype=np.uint64, endpoint=False).tolist() for _ in iter(int, 1))
+    for _ in range(blocks // chain_blocks + 1):
+        index.record_now(rid, next(chains))
+    store, wall, cpu, moved = index._store, [], [], []
+    for _ in range(records):
+        chain, m, t, c = next(chains), getattr(store, "moved", 0), time.perf_counter(), time.process_time()
+        index.record_now(rid, chain)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+        moved.append(getattr(store, "moved", 0) - m)
+    return {**_lookup_stats(wall, cpu), "moved_per_call_max": float(max(moved)),
+            "moved_per_call_mean": sum(moved) / len(moved)}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=64)
     parser.add_argument("--tokens-per-replica", type=int, default=2_000_000, help="device KV tokens per replica")
@@ -285,12 +378,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-blocks", type=int, default=8, help="new blocks a turn adds (~500 tokens)")
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one (it is FLUSHED)")
     parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--policy", default=None, metavar="N,N,...",
+                        help="only time the cache-aware decision (no index) at these fleet sizes")
+    parser.add_argument("--with-policy", action="store_true",
+                        help="embedded backends: the timed decision includes the cache-aware policy's decide")
+    parser.add_argument("--churn", type=int, default=0, metavar="RECORDS",
+                        help="only time RECORDS records of --chain-blocks new blocks on one compact replica "
+                             "of (--tokens-per-replica + --host-tokens-per-replica) tokens")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.chain_blocks <= 64:
         raise SystemExit("--chain-blocks must exceed the 64-block shared prompt")
+    if args.policy:
+        for n in [int(x) for x in args.policy.split(",")]:
+            res = bench_policy(n, args.iterations)
+            print(f"policy {n:4d} replicas " + "  ".join(f"{k}={v:,.0f}" for k, v in res.items()))
+        print("load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        return 0
     bt = args.block_tokens
+    if args.churn:
+        res = bench_churn((args.tokens_per_replica + args.host_tokens_per_replica) // bt, args.chain_blocks, args.churn)
+        print("churn " + "  ".join(f"{k}={v:,.1f}" for k, v in res.items()))
+        print("load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        return 0
     w = make_workload(args.replicas, args.tokens_per_replica // bt, args.chain_blocks, args.sessions,
                       host_blocks_per_replica=args.host_tokens_per_replica // bt)
     print(f"index: {args.replicas} replicas x ({w.capacity.device_blocks} device + {w.capacity.host_blocks} host) "
@@ -299,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, float]] = {}
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         t0 = time.perf_counter()
-        results[backend] = asyncio.run(bench_embedded(backend, w, n, turn, not args.no_gc_freeze))
+        results[backend] = asyncio.run(bench_embedded(backend, w, n, turn, not args.no_gc_freeze, args.with_policy))
         results[backend]["bench_s"] = time.perf_counter() - t0
     if not args.skip_redis:
         results.update(_with_redis(args.redis_url, lambda url: asyncio.run(bench_redis(w, n, url, turn))))

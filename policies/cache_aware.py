@@ -76,6 +76,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from policies.base import RequestContext, RoutingInputs
 from policies.config import parse_params, parse_weights
 from policies.filters import is_new_session, standard_filters
@@ -84,11 +87,14 @@ from policies.pickers import MaxScorePicker
 from policies.placement import is_new_conversation
 from policies.ttft_cost import (
     CacheAwareParams,
+    EstimateArrays,
     TtftEstimate,
+    estimate_arrays,
     estimates,
     home_replica,
     request_terms,
     resident_fraction,
+    resident_fractions,
     score_floor_s,
 )
 from prefix_index.base import ReplicaId
@@ -98,39 +104,45 @@ NAME = "cache-aware"
 DEFAULT_WEIGHTS = {"ttft": 1.0, "new-session": 0.15}
 
 
+Known = EstimateArrays | dict[ReplicaId, TtftEstimate]  # the array path's, or the dict path's
+
+
 class EstimateMemo:
     """The estimates of the decision in progress, from the scorer to the explainer.
 
-    The cost model is evaluated once per candidate per decision: `TtftScorer` stores its
-    estimates here and `CacheAwareExplainer` takes them back when it is called for the
-    same decision (the very same ``ctx``, ``inputs`` and ``candidates`` objects, which the
-    pipeline passes to both, synchronously). Both are pure functions of those arguments,
-    so reusing the scorer's values changes nothing; on any other call the explainer
-    computes them itself. ``take`` empties the memo, so it holds one decision at most.
+    The cost model is evaluated once per candidate per decision (in a large fleet over
+    every candidate at once, `ttft_cost.estimate_arrays`): `TtftScorer` stores its estimates here and
+    `CacheAwareExplainer` takes them back when it is called for the same decision (the
+    very same ``ctx``, ``inputs`` and ``candidates`` objects, which the pipeline passes to
+    both, synchronously). Both are pure functions of those arguments, so reusing the
+    scorer's values changes nothing; on any other call the explainer computes them
+    itself. ``take`` empties the memo, so it holds one decision at most.
     """
 
     __slots__ = ("_estimates", "_key")
 
     def __init__(self) -> None:
         self._key: tuple[object, object, object] | None = None
-        self._estimates: dict[ReplicaId, TtftEstimate] = {}
+        self._estimates: Known | None = None
 
     def put(self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView],
-            values: Sequence[TtftEstimate]) -> None:
+            values: Known) -> None:
         self._key = (ctx, inputs, candidates)
-        self._estimates = {e.replica: e for e in values}
+        self._estimates = values
 
     def take(self, ctx: RequestContext, inputs: RoutingInputs,
-             candidates: Sequence[ReplicaView]) -> dict[ReplicaId, TtftEstimate] | None:
+             candidates: Sequence[ReplicaView]) -> Known | None:
         key, values = self._key, self._estimates
-        self._key, self._estimates = None, {}
+        self._key, self._estimates = None, None
         if key is None or key[0] is not ctx or key[1] is not inputs or key[2] is not candidates:
             return None
         return values
 
 
 class TtftScorer:
-    """Score = (best + floor) / (cost + floor): 1.0 for the lowest estimated TTFT."""
+    """Score = (best + floor) / (cost + floor): 1.0 for the lowest estimated TTFT.
+
+    ``score`` (few candidates) and ``score_array`` (many) are the same floats."""
 
     name = "ttft"
 
@@ -144,7 +156,7 @@ class TtftScorer:
         home = home_replica(inputs, candidates)
         estimates_ = estimates(ctx, inputs, candidates, home, self.params)
         if self.memo is not None:
-            self.memo.put(ctx, inputs, candidates, estimates_)
+            self.memo.put(ctx, inputs, candidates, {e.replica: e for e in estimates_})
         # one-shot requests: the prefill every candidate pays is no choice, judge ties on the rest
         common = 0.0 if ctx.session.session else min((e.prefill_s for e in estimates_), default=0.0)
         costs = {e.replica: e.total_s - common for e in estimates_}
@@ -154,6 +166,23 @@ class TtftScorer:
             rid: 1.0 if cost <= best else (best + floor) / (cost + floor)
             for rid, cost in costs.items()
         }
+
+    def score_array(
+        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
+    ) -> npt.NDArray[np.float64]:
+        if not candidates:
+            return np.zeros(0)
+        est = estimate_arrays(ctx, inputs, candidates, home_replica(inputs, candidates), self.params)
+        if self.memo is not None:
+            self.memo.put(ctx, inputs, candidates, est)
+        # one-shot requests: the prefill every candidate pays is no choice, judge ties on the rest
+        common = 0.0 if ctx.session.session else float(est.prefill_s.min())
+        costs = est.total_s - common
+        best = float(costs.min())
+        floor = score_floor_s(self.params)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out: npt.NDArray[np.float64] = np.where(costs <= best, 1.0, (best + floor) / (costs + floor))
+        return out
 
 
 class NewSessionScorer:
@@ -175,6 +204,17 @@ class NewSessionScorer:
                 out[c.id] = 1.0
                 continue
             out[c.id] = 0.5 * (1.0 - resident_fraction(inputs, c, cap=1.0))
+        return out
+
+    def score_array(
+        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
+    ) -> npt.NDArray[np.float64]:
+        n = len(candidates)
+        if not is_new_session(inputs):
+            return np.zeros(n)
+        added = np.fromiter((c.added_at_s for c in candidates), np.float64, n)
+        fresh = inputs.now_s - added <= self.params.new_replica_window_s
+        out: npt.NDArray[np.float64] = np.where(fresh, 1.0, 0.5 * (1.0 - resident_fractions(inputs, candidates, 1.0)))
         return out
 
 
@@ -204,12 +244,15 @@ class CacheAwareExplainer:
         known = self.memo.take(ctx, inputs, candidates) if self.memo is not None else None
         if known is None:  # not the scorer's decision: evaluate the model here (once per replica)
             known = {e.replica: e for e in estimates(ctx, inputs, candidates, home, self.params)}
-        mine = known[chosen]
-        return Explanation(
-            self._reason(ctx, inputs, candidates, chosen, home, mine, known),
-            mine.cached_tokens,
-            mine.uncached_tokens,
-        )
+        if isinstance(known, EstimateArrays):
+            i = known.replicas.index(chosen)
+            cached, uncached = int(known.cached_tokens[i]), int(known.uncached_tokens[i])
+            best_cached = int(known.cached_tokens.max())
+        else:
+            cached, uncached = known[chosen].cached_tokens, known[chosen].uncached_tokens
+            best_cached = max(e.cached_tokens for e in known.values())
+        holds_best = cached > 0 and cached >= best_cached  # cached tokens ignore home
+        return Explanation(self._reason(ctx, inputs, candidates, chosen, home, holds_best), cached, uncached)
 
     def _reason(
         self,
@@ -218,8 +261,7 @@ class CacheAwareExplainer:
         candidates: Sequence[ReplicaView],
         chosen: ReplicaId,
         home: ReplicaId | None,
-        mine: TtftEstimate,
-        known: dict[ReplicaId, TtftEstimate],
+        holds_best: bool,
     ) -> str:
         if len(candidates) == 1:
             return "only-one"
@@ -230,8 +272,7 @@ class CacheAwareExplainer:
         parent = inputs.parent_session
         if inputs.session is None and parent is not None and parent.replica == chosen:
             return "parent"
-        best_cached = max(e.cached_tokens for e in known.values())  # cached tokens ignore home
-        if mine.cached_tokens > 0 and mine.cached_tokens >= best_cached:
+        if holds_best:
             return "prefix"
         if is_new_session(inputs):
             return "new-session"

@@ -50,6 +50,8 @@ session key (no session will live anywhere: Mooncake-style traffic).
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from policies.base import RequestContext, RoutingInputs
 from replicas.model import ReplicaView
 
@@ -71,11 +73,10 @@ def shared_prefix_tokens(ctx: RequestContext, inputs: RoutingInputs) -> int:
 
 def mean_resident_tokens(inputs: RoutingInputs) -> float | None:
     """The snapshot's mean resident working set per replica (None without replicas)."""
-    resident = inputs.resident_tokens
     ids = [r.id for r in inputs.replicas]
     if not ids:
         return None
-    return sum(resident.get(r, 0) for r in ids) / len(ids)
+    return sum(map(inputs.resident_tokens.get, ids, repeat(0))) / len(ids)
 
 
 def excess_resident_tokens(inputs: RoutingInputs, view: ReplicaView) -> float:

@@ -1,7 +1,7 @@
 """The storage of the compact prefix index: per replica, a recency log and a hash table, in
 flat numpy arrays shared by every replica (no Python object per block).
 
-Rows. Replica slot ``r`` owns row ``r`` of three flat arrays (every row has the same
+Rows. Replica slot ``r`` owns row ``r`` of four flat arrays (every row has the same
 shape, sized for the largest replica capacity):
 
 - ``log[r*L + p]`` (uint64): the block hash written at log position ``p``. A replica's
@@ -10,27 +10,46 @@ shape, sized for the largest replica capacity):
   block to the MRU end appends it again and leaves a hole). ``head[r]``: next position.
 - ``table[r*S + s]`` (int32): open addressing over the row's live blocks in buckets of
   ``BUCKET`` slots (a probe reads one bucket, 32 bytes, per step). A slot holds
-  ``fingerprint << pos_bits | (p + 1)`` (0 = empty; deleted = all-ones fingerprint,
-  position 0): the position ``p`` of
+  ``fingerprint << pos_bits | (p + 1)`` (0 = empty): the position ``p`` of
   the block in the log and a few bits of its hash, so a probe reads the log (the full
   64-bit hash: ``log[r*L + p] == hash``) only for a slot whose fingerprint agrees. The
   table stores 4 bytes a slot, not the hash again.
+- ``over[r*S/BUCKET + b]`` (int32): how many of the row's blocks live beyond bucket ``b``
+  on their probe path (their home bucket is ``b`` or before it and they sit after it). A
+  probe goes on past a bucket only while its count is positive, so a deleted slot can be
+  emptied at once: no tombstones, and so no table rehash ever.
 
-Bytes per held (block, replica): ``4 / TABLE_LOAD`` (table, 5.7) + ``9 * LOG_SLACK``
-(log + alive, 11.3), ~17 B: 512 replicas x 93,750 blocks (2M device + 4M host tokens of
-64-token blocks) are ~0.8 GB. The arrays are created with ``np.zeros`` (0 = empty), so
-pages a row never touched cost nothing.
+*Tidying.* A block stays where it was inserted, so a bucket that was full when a block
+passed it keeps a positive count after its own slots empty, until that block goes: under
+churn (every block replaced once per capacity of inserts) half the buckets end up
+"passed" and a miss reads ~2.8 buckets instead of ~1.3. So every append also sweeps the
+next ``TIDY_SLOTS`` slots per block it inserted (a cursor per row, wrapping around) and
+re-inserts the blocks found there away from their home bucket, which puts them back home
+whenever their home has room again: a miss then reads ~1.5 buckets (the longest run of
+passed buckets 21 at 94k blocks, against 23 for the tombstone table before its rehash),
+and a call moves at most ``TIDY_SLOTS`` slots per block it inserts (``moved``).
+
+Bytes per held (block, replica): ``4 / TABLE_LOAD`` (table, 5.7) + ``0.5 / TABLE_LOAD``
+(over, 0.7) + ``9 * LOG_SLACK`` (log + alive, 11.3), ~18 B: 512 replicas x 93,750 blocks
+(2M device + 4M host tokens of 64-token blocks) are ~0.8 GB. The arrays are created with
+``np.zeros`` (0 = empty), so pages a row never touched cost nothing.
 
 Compaction. When a row's log is full its live positions are packed to the front in order
 (``alive`` compress) and the table's values renumbered through the running count of live
 positions: a few vectorized passes over the row (~3.4 ms at 94k blocks), every
-``(LOG_SLACK - 1) x capacity`` appended positions. Deleted table slots are reused by
-later inserts; a row whose used slots (live + deleted) pass ``REBUILD_LOAD`` is rehashed
-(~50 ms at 94k blocks: the longest pause left, rare).
+``(LOG_SLACK - 1) x capacity`` appended positions: the longest pause left, once per call at
+most. A delete empties its slot and takes one off the counts of the buckets its block's
+probe passed; an insert takes the first empty slot from its home and adds one to the
+buckets it passes. Each call writes one slot per block it inserts, moves or deletes
+(``slot_writes``) and nothing else of the table but a compaction's renumbering
+(``renumbered``): an earlier version rehashed a row once deleted slots passed 80% of it
+(~50 ms at 94k blocks).
 
 Every per-block step is a numpy operation over all the blocks (and rows) of one call:
-``find`` probes a batch of (row, hash) pairs at once, one round per bucket step;
-``position1`` is the same probe for one pair in plain Python (a few microseconds).
+``find`` probes a batch of (row, hash) pairs at once, one round per bucket step, until
+``SCALAR_TAIL`` walks are left, which go on one by one in plain Python (a few microseconds
+each, where a round costs ~20 numpy calls); ``position1`` is that probe for one pair
+(inserts finish their last few the same way).
 """
 from __future__ import annotations
 
@@ -43,7 +62,8 @@ import numpy.typing as npt
 BUCKET = 8  # slots a probe reads at once (one vectorized step per bucket, not per slot)
 TABLE_LOAD = 0.7  # live blocks / table slots at full capacity
 LOG_SLACK = 1.25  # log positions per block of capacity: compaction every 0.25 x capacity appends
-REBUILD_LOAD = 0.8  # (live + deleted) / slots: rehash the row beyond (deleted slots lengthen probes)
+TIDY_SLOTS = 4  # table slots an append sweeps (re-placing displaced blocks) per block it inserts
+SCALAR_TAIL = 32  # probes (and inserts) still walking when this few are left go on one by one
 EMPTY = 0
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads sequential test hashes too
 _MIX2 = np.uint64(0xC2B2AE3D27D4EB4F)  # another odd constant: the fingerprint's bits
@@ -75,16 +95,18 @@ class RowStore:
             raise ValueError(f"capacity {capacity_blocks} blocks is too large for a 32-bit table slot")
         self.pos_mask = (1 << self.pos_bits) - 1
         self.high = np.int32(-(1 << self.pos_bits))  # the fingerprint bits of a slot value
-        self.deleted = np.int32(((1 << self.fp_bits) - 1) << self.pos_bits)  # fp all ones, position 0
         self.rows = max(rows, 1)
         self.log: U64 = np.zeros(self.rows * self.L, dtype=np.uint64)
         self.alive = np.zeros(self.rows * self.L, dtype=np.bool_)
         self.table = np.zeros(self.rows * self.S, dtype=np.int32)
-        self.fill = np.zeros(self.rows * self.S // BUCKET, dtype=np.uint8)  # non-empty slots per bucket
+        self.over = np.zeros(self.rows * self.S // BUCKET, dtype=np.int32)  # blocks probing past a bucket
         self.head = np.zeros(self.rows, dtype=np.int64)
-        self.rehashes = 0  # table slots move when this changes
         self.live = np.zeros(self.rows, dtype=np.int64)
-        self.used = np.zeros(self.rows, dtype=np.int64)  # live + deleted table slots
+        self.sweep = np.zeros(self.rows, dtype=np.int64)  # the next bucket tidying looks at
+        # work counters (tests bound the work of one call with them): table slots written
+        # for the blocks of a call (of them emptied by deletes), slots moved by tidying,
+        # slots renumbered by compactions, buckets read by probes
+        self.slot_writes = self.emptied = self.moved = self.renumbered = self.bucket_reads = 0
 
     # -- shape -------------------------------------------------------------------
     def add_rows(self, rows: int) -> None:
@@ -96,8 +118,8 @@ class RowStore:
         self.log = np.concatenate([self.log, np.zeros(extra * self.L, dtype=np.uint64)])
         self.alive = np.concatenate([self.alive, np.zeros(extra * self.L, dtype=np.bool_)])
         self.table = np.concatenate([self.table, np.zeros(extra * self.S, dtype=np.int32)])
-        self.fill = np.concatenate([self.fill, np.zeros(extra * self.S // BUCKET, dtype=np.uint8)])
-        for name in ("head", "live", "used"):
+        self.over = np.concatenate([self.over, np.zeros(extra * self.S // BUCKET, dtype=np.int32)])
+        for name in ("head", "live", "sweep"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype=np.int64)]))
         self.rows = new
 
@@ -113,7 +135,7 @@ class RowStore:
     # -- reads -------------------------------------------------------------------
     def find(self, rows: I64, keys: U64) -> I64:
         """Global table index of each (row, key) pair, -1 when absent (vectorized probe:
-        one step reads a whole bucket per pair; a bucket with an empty slot ends a miss)."""
+        one step reads a whole bucket per pair; a bucket no block probes past ends a miss)."""
         n = keys.size
         out = np.full(n, -1, dtype=np.int64)
         if n == 0:
@@ -124,7 +146,8 @@ class RowStore:
         bucket, fps = self._home(keys), self._fingerprint(keys) << self.pos_bits
         first, lbase = rows * nb, rows * self.L
         active = np.arange(n)
-        while active.size:
+        while active.size > SCALAR_TAIL:  # the long tail of a few walks: one by one, below
+            self.bucket_reads += active.size
             g = first[active] + bucket[active]  # global bucket index
             v = np.take(buckets, g, axis=0)  # [m, BUCKET]: 32 contiguous bytes per pair
             idx = np.flatnonzero((v & self.high) == fps[active][:, None])  # fingerprint agrees
@@ -134,11 +157,13 @@ class RowStore:
             out[active[ci]] = g[ci] * BUCKET + cj
             found = np.zeros(active.size, dtype=np.bool_)
             found[ci] = True
-            go = ~found & (self.fill[g] == BUCKET)  # a bucket with an empty slot ends a miss
+            go = ~found & (self.over[g] > 0)  # no block probed past this bucket: a miss
             active = active[go]
             nxt = bucket[active] + 1
             nxt[nxt == nb] = 0
             bucket[active] = nxt
+        for i in active.tolist():
+            out[i] = self._slot1(int(rows[i]), int(keys[i]), int(bucket[i]), int(fps[i]))
         return out
 
     def positions(self, rows: I64, keys: U64) -> I64:
@@ -156,14 +181,22 @@ class RowStore:
         b = ((((key * _MIX_INT) & mask64) >> 32) * nb) >> 32
         raw = ((key * _MIX2_INT) & mask64) >> (64 - self.fp_bits)
         fp = (raw % ((1 << self.fp_bits) - 2) + 1) << self.pos_bits
-        high, pmask, lbase, first = int(self.high), self.pos_mask, r * self.L, r * nb
-        table, log, fill = self.table, self.log, self.fill
+        t = self._slot1(r, key, b, fp)
+        return -1 if t < 0 else (int(self.table[t]) & self.pos_mask) - 1
+
+    def _slot1(self, r: int, key: int, b: int, fp: int) -> int:
+        """The global table index of ``key`` on row ``r`` probing from row-local bucket ``b``
+        (``fp``: its fingerprint, shifted), -1 when absent: plain Python, for few probes."""
+        nb, high, pmask = self.S // BUCKET, int(self.high), self.pos_mask
+        lbase, first = r * self.L, r * nb
+        table, log, over = self.table, self.log, self.over
         for _ in range(nb):
             g = first + b
-            for v in table[g * BUCKET:(g + 1) * BUCKET].tolist():
+            self.bucket_reads += 1
+            for j, v in enumerate(table[g * BUCKET:(g + 1) * BUCKET].tolist()):
                 if v & high == fp and int(log[lbase + (v & pmask) - 1]) == key:
-                    return int(v & pmask) - 1
-            if fill[g] < BUCKET:
+                    return g * BUCKET + j
+            if over[g] == 0:
                 return -1
             b = b + 1 if b + 1 < nb else 0
         return -1
@@ -193,21 +226,25 @@ class RowStore:
 
     # -- writes ------------------------------------------------------------------
     def delete(self, r: int, keys: U64) -> None:
-        """Forget these blocks of row ``r`` (absent ones are ignored)."""
+        """Forget these distinct blocks of row ``r`` (absent ones are ignored)."""
         t = self.find(np.full(keys.size, r, dtype=np.int64), keys)
-        t = t[t >= 0]
+        held = t >= 0
+        t = t[held]
         if t.size:
             pos = self._pos(self.table[t])
             self.alive[r * self.L + pos] = False
-            self.table[t] = self.deleted
+            self.table[t] = EMPTY
+            self.slot_writes += t.size
+            self.emptied += t.size
             self.live[r] -= t.size
-        self._maybe_rehash(r)
+            self._passed(r, keys[held], t // BUCKET - r * (self.S // BUCKET), -1)
 
     def append(self, r: int, keys: U64, found: I64 | None = None) -> None:
         """Write ``keys`` (distinct) at the MRU end of row ``r``, the last one most recent;
         a block already held moves (its old position becomes a hole). The caller keeps
         the row within capacity (``live + new <= cap``). ``found``: ``find`` of these
-        keys on this row, when the caller has it (valid while ``rehashes`` is unchanged)."""
+        keys on this row, when the caller has it (valid until one of them is deleted or the
+        next append: deletes move no other slot, appends tidy)."""
         n = keys.size
         if n == 0:
             return
@@ -220,18 +257,19 @@ class RowStore:
             self.compact(r)  # renumbers the moved blocks too: overwritten just below
         pos = int(self.head[r]) + np.arange(n, dtype=np.int64)
         self.table[th] = self._value(keys[held], pos[held])
+        self.slot_writes += th.size
         self._insert(r, keys[~held], pos[~held])
         self.log[base + pos] = keys
         self.alive[base + pos] = True
         self.head[r] += n
         self.live[r] += n - th.size
-        self._maybe_rehash(r)
+        self._tidy(r, -(-TIDY_SLOTS * (n - th.size) // BUCKET))
 
     def compact(self, r: int) -> None:
         """Pack row ``r``'s live positions to the front, in order; renumber the table."""
         base, head = r * self.L, int(self.head[r])
         alive = self.alive[base:base + head]
-        # new position + 1 of each old position + 1; index 0 (empty and deleted slots) -> 0
+        # new position + 1 of each old position + 1; index 0 (empty slots) -> 0
         rank = np.zeros(head + 1, dtype=np.int32)
         np.cumsum(alive, dtype=np.int32, out=rank[1:])
         live = np.flatnonzero(alive)
@@ -241,19 +279,20 @@ class RowStore:
         alive[:n] = True
         row = self.table[r * self.S:(r + 1) * self.S]
         row[:] = (row & self.high) | rank[row & self.pos_mask]
+        self.renumbered += row.size
         self.head[r] = n
 
     def clear(self, r: int) -> None:
         self.log[r * self.L:(r + 1) * self.L] = 0
         self.alive[r * self.L:(r + 1) * self.L] = False
         self.table[r * self.S:(r + 1) * self.S] = EMPTY
-        self.fill[r * self.S // BUCKET:(r + 1) * self.S // BUCKET] = 0
-        self.head[r] = self.live[r] = self.used[r] = 0
+        self.over[r * self.S // BUCKET:(r + 1) * self.S // BUCKET] = 0
+        self.head[r] = self.live[r] = self.sweep[r] = 0
 
     # -- internals -----------------------------------------------------------------
     def _fingerprint(self, keys: U64) -> npt.NDArray[np.int32]:
         """A fingerprint of each key in [1, 2**fp_bits - 2] (other bits than the home
-        bucket's): 0 is an empty slot's and all ones a deleted one's, so neither agrees."""
+        bucket's): 0 is an empty slot's, so it never agrees (all ones is not used either)."""
         raw = (keys * _MIX2) >> np.uint64(64 - self.fp_bits)
         return (raw % np.uint64((1 << self.fp_bits) - 2) + np.uint64(1)).astype(np.int32)
 
@@ -271,44 +310,78 @@ class RowStore:
         return ((mixed * np.uint64(self.S // BUCKET)) >> _U32).astype(np.int64)
 
     def _insert(self, r: int, keys: U64, pos: I64) -> None:
-        """Insert absent, distinct keys of row ``r`` with their log positions: each takes a
-        free (empty or deleted) slot of the first bucket from its home that has one; keys
-        meeting in one bucket take its free slots in turn (rank within the bucket)."""
+        """Insert absent, distinct keys of row ``r`` with their log positions: each takes an
+        empty slot of the first bucket from its home that has one, and counts itself in
+        ``over`` of every bucket it passes; keys meeting in one bucket take its empty slots
+        in turn (rank within the bucket)."""
         if keys.size == 0:
             return
         tbase, nb = r * self.S, self.S // BUCKET
         cols = np.arange(BUCKET, dtype=np.int64)
-        bucket = self._home(keys)
+        bucket, values = self._home(keys), self._value(keys, pos)
         pending = np.arange(keys.size)
-        reused = 0
-        while pending.size:
+        while pending.size > SCALAR_TAIL:
             pending = pending[np.argsort(bucket[pending], kind="stable")]
             b = bucket[pending]
             starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
             rank = np.arange(b.size) - np.repeat(starts, np.diff(np.r_[starts, b.size]))
             t = (tbase + b * BUCKET)[:, None] + cols
-            v = self.table[t]
-            free = (v == EMPTY) | (v == self.deleted)
+            free = self.table[t] == EMPTY
             take = free & (np.cumsum(free, axis=1) == (rank + 1)[:, None])
             ok = take.any(axis=1)
             slots = t[ok, take[ok].argmax(axis=1)]
-            was = self.table[slots]
-            reused += int((was == self.deleted).sum())
-            np.add.at(self.fill, slots[was == EMPTY] // BUCKET, 1)
-            self.table[slots] = self._value(keys[pending[ok]], pos[pending[ok]])
+            self.table[slots] = values[pending[ok]]
+            self.slot_writes += slots.size
             pending = pending[~ok]
+            np.add.at(self.over, r * nb + bucket[pending], 1)  # these go on past their bucket
             nxt = bucket[pending] + 1
             nxt[nxt == nb] = 0
             bucket[pending] = nxt
-        self.used[r] += keys.size - reused
+        table, over = self.table, self.over
+        for i in pending.tolist():  # the last few, one by one
+            g = r * nb + int(bucket[i])
+            while EMPTY not in (row := table[g * BUCKET:(g + 1) * BUCKET].tolist()):
+                over[g] += 1
+                g = g + 1 if g + 1 < (r + 1) * nb else r * nb
+            table[g * BUCKET + row.index(EMPTY)] = values[i]
+            self.slot_writes += 1
 
-    def _maybe_rehash(self, r: int) -> None:
-        if self.used[r] <= REBUILD_LOAD * self.S:
+    def _passed(self, r: int, keys: U64, at: I64, delta: int) -> None:
+        """Add ``delta`` to ``over`` of the buckets each key's probe passes on row ``r``, from
+        its home bucket to the one before ``at`` (its bucket, row-local), wrapping around."""
+        nb = self.S // BUCKET
+        home = self._home(keys)
+        steps = (at - home) % nb
+        total = int(steps.sum())
+        if total == 0:
             return
-        self.compact(r)
-        self.rehashes += 1
-        base, n = r * self.L, int(self.head[r])
-        self.table[r * self.S:(r + 1) * self.S] = EMPTY
-        self.fill[r * self.S // BUCKET:(r + 1) * self.S // BUCKET] = 0
-        self.used[r] = 0
-        self._insert(r, self.log[base:base + n].copy(), np.arange(n, dtype=np.int64))
+        offset = np.arange(total) - np.repeat(np.cumsum(steps) - steps, steps)
+        np.add.at(self.over, r * nb + (np.repeat(home, steps) + offset) % nb, delta)
+
+    def _tidy(self, r: int, buckets: int) -> None:
+        """Re-insert the displaced blocks (not in their home bucket) of the next ``buckets``
+        buckets of row ``r``: each goes to the first bucket from its home with an empty
+        slot, which is where it was or closer to home."""
+        nb = self.S // BUCKET
+        k = min(buckets, nb)
+        if k <= 0:
+            return
+        start = int(self.sweep[r])
+        self.sweep[r] = (start + k) % nb
+        local = (start + np.arange(k)) % nb
+        t = ((r * self.S + local * BUCKET)[:, None] + np.arange(BUCKET)).reshape(-1)
+        v = self.table[t]
+        held = v != EMPTY
+        t, v = t[held], v[held]
+        pos = self._pos(v)
+        keys = self.log[r * self.L + pos]
+        at = t // BUCKET - r * nb
+        away = self._home(keys) != at
+        if not away.any():
+            return
+        self.table[t[away]] = EMPTY
+        self._passed(r, keys[away], at[away], -1)
+        writes = self.slot_writes
+        self._insert(r, keys[away], pos[away])
+        self.slot_writes = writes  # moves are counted apart: ``moved``
+        self.moved += int(away.sum())

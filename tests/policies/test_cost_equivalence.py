@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import cache_aware, ttft_cost
-from policies.base import NoRoutableReplica, RequestContext, RoutingInputs
+from policies import cache_aware, framework, ttft_cost
+from policies.base import Decision, NoRoutableReplica, RequestContext, RoutingInputs
+from policies.framework import Pipeline
 from prefix_index.base import PrefixMatch, SessionEntry
 from tests.policies.legacy_cost import cache_aware as old_cache_aware
 from tests.policies.legacy_cost import ttft_cost as old_ttft_cost
@@ -30,8 +31,8 @@ PARAMS = [{}, {"spread_weight": 0.0}, {"spread_weight": 3.0, "placement_max_shar
 
 
 @st.composite
-def fleets(draw: st.DrawFn) -> tuple[RequestContext, RoutingInputs]:
-    n = draw(st.integers(1, 12))
+def fleets(draw: st.DrawFn, max_replicas: int = 12, min_replicas: int = 1) -> tuple[RequestContext, RoutingInputs]:
+    n = draw(st.integers(min_replicas, max_replicas))
     views = [draw(replica_views(i)) for i in range(n)]
     prompt = draw(st.integers(0, 200_000))
     blocks = prompt // 64
@@ -72,10 +73,36 @@ def test_decisions_and_estimates_equal_the_old_formula(
     p_old = old_ttft_cost.CacheAwareParams(**params)  # type: ignore[arg-type]
     for home in {None, *(v.id for v in inputs.replicas[:2])}:
         shared = ttft_cost.estimates(c, inputs, inputs.replicas, home, p_new)
-        for v, e in zip(inputs.replicas, shared, strict=True):
+        arrays = ttft_cost.estimate_arrays(c, inputs, inputs.replicas, home, p_new).as_list()
+        for v, e, a in zip(inputs.replicas, shared, arrays, strict=True):
             ref = dataclasses.astuple(old_ttft_cost.estimate(c, inputs, v, home, p_old))
             assert dataclasses.astuple(e) == ref
+            assert dataclasses.astuple(a) == ref
             assert dataclasses.astuple(ttft_cost.estimate(c, inputs, v, home, p_new)) == ref
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(scenario=fleets(max_replicas=40, min_replicas=13), params=st.sampled_from(PARAMS), seed=st.integers(0, 2**32))
+def test_larger_fleets_decide_as_the_old_formula_on_both_paths(
+    scenario: tuple[RequestContext, RoutingInputs], params: dict[str, float], seed: int
+) -> None:
+    """13-40 replicas; the pipeline's array path (`score_array`, `pick_index`) and its dict
+    path (`score`, `pick`) both return the old model's decision."""
+    c, inputs = scenario
+    decisions = []
+    for build, arrays in ((old_cache_aware.build, False), (cache_aware.build, True), (cache_aware.build, False)):
+        policy = build(params, seed)
+        policy.array_min = 0 if arrays else None
+        decisions.append(decide_or_none(policy, c, inputs, seed))
+    assert decisions[1] == decisions[0] and decisions[2] == decisions[0]
+
+
+def decide_or_none(policy: Pipeline, c: RequestContext, inputs: RoutingInputs, seed: int) -> Decision | None:
+    """The policy's decision with a fresh rng of ``seed``; None when nothing is routable."""
+    try:
+        return policy.decide(c, inputs, random.Random(seed))
+    except NoRoutableReplica:
+        return None
 
 
 def test_the_explainer_reuses_the_scorer_estimates(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,3 +119,24 @@ def test_the_explainer_reuses_the_scorer_estimates(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(ttft_cost, "estimate", counting)
     cache_aware.build({}, 0).decide(ctx(10_000, session="s"), inputs, random.Random(0))
     assert sorted(calls) == sorted(v.id for v in views)
+
+
+def test_a_large_fleet_evaluates_the_model_once_over_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From ``array_min_candidates`` on, one evaluation over every candidate at once, shared
+    by the scorer and the explainer, and never replica by replica."""
+    views = [view(i, in_flight=i) for i in range(framework.ARRAY_MIN_CANDIDATES)]
+    inputs = RoutingInputs(tuple(views), {v.id: PrefixMatch() for v in views}, None, None, {}, 1.0)
+    calls: list[list[str]] = []
+    real = ttft_cost.estimate_arrays
+
+    def counting(*args: Any, **kw: Any) -> ttft_cost.EstimateArrays:
+        calls.append([c.id for c in args[2]])
+        return real(*args, **kw)
+
+    def scalar(*args: Any, **kw: Any) -> ttft_cost.TtftEstimate:
+        raise AssertionError("a decision evaluated the scalar model")
+
+    monkeypatch.setattr(cache_aware, "estimate_arrays", counting)
+    monkeypatch.setattr(ttft_cost, "estimate", scalar)
+    cache_aware.build({}, 0).decide(ctx(10_000, session="s"), inputs, random.Random(0))
+    assert calls == [[v.id for v in views]]
