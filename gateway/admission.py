@@ -3,7 +3,8 @@
 ``Admission.offer`` turns a routed attempt into a ticket (streaming requests only; a
 non-streaming one gets ``None`` and is never held: its first byte is the end of the whole
 generation, so the gateway cannot see its prefill end). ``wait`` returns when the ticket
-is released: at once, when the replica's prefill ahead drops below the budget, when the
+is released: at once (also when the replica's recent predictions were far off:
+``replicas.admission.PredictionTrust``), when the replica's prefill ahead drops below the budget, when the
 ticket reaches ``max_wait_s`` (the age bound: delayed, never starved), or when the
 replica leaves routing (``flush``). A client that leaves while held cancels the wait and
 ``done`` takes the ticket out. ``started`` (the attempt's first byte) and ``done`` (its
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, Field
 
 from prefix_index.base import ReplicaId
-from replicas.admission import AdmissionFront, Ticket, TicketState
+from replicas.admission import AdmissionFront, PredictionTrust, Ticket, TicketState
 from replicas.model import ReplicaState, ReplicaView
 
 
@@ -32,6 +33,20 @@ class AdmissionConfig(BaseModel):
         description="released, unstarted predicted prefill per replica above which new requests are held "
         "(~ one chunked-prefill step of a large GPU)")
     max_wait_s: float = Field(default=30.0, ge=0, description="a request held this long is released anyway")
+    trust_window: int = Field(default=64, ge=1, description="a replica's last predictions that decide whether "
+                              "its order is trusted (replicas.admission.PredictionTrust)")
+    trust_min_close: float = Field(
+        default=0.9, ge=0, le=1,
+        description="below this share of close predictions a replica is served first come, first served")
+    trust_tolerance_tokens: int = Field(
+        default=256, ge=0, description="a prediction is close within this many tokens (or trust_tolerance_share "
+        "of the prompt, whichever is larger)")
+    trust_tolerance_share: float = Field(default=0.0, ge=0, le=1, description="see trust_tolerance_tokens")
+
+    def trust(self) -> PredictionTrust:
+        return PredictionTrust(window=self.trust_window, min_samples=min(16, self.trust_window),
+                               min_close=self.trust_min_close, tolerance_tokens=self.trust_tolerance_tokens,
+                               tolerance_share=self.trust_tolerance_share)
 
 
 class Admission(AdmissionFront):
@@ -40,7 +55,7 @@ class Admission(AdmissionFront):
     def __init__(self, cfg: AdmissionConfig, clock: Callable[[], float] = time.monotonic,
                  on_waited: Callable[[str, float], None] | None = None) -> None:
         """``on_waited(released_by, seconds)``: told of every held request's wait (metrics)."""
-        super().__init__(cfg.enabled, cfg.budget_tokens, cfg.max_wait_s)
+        super().__init__(cfg.enabled, cfg.budget_tokens, cfg.max_wait_s, cfg.trust())
         self.cfg = cfg
         self._clock = clock
         self._on_waited = on_waited
@@ -81,6 +96,7 @@ class Admission(AdmissionFront):
 
     def on_removed(self, replica_id: ReplicaId) -> None:
         self.flush(replica_id)
+        self.trust.forget(replica_id)
 
     def _released(self, ticket: Ticket) -> None:
         fut = self._waiters.get(ticket.seq)

@@ -454,6 +454,9 @@ class Proxy:
         attempt.closed = True
         attempt.lease.release()
         self.admission.done(attempt.ticket)
+        if outcome.ok:
+            self.admission.observe(attempt.decision.replica, attempt.decision.predicted_cached_tokens,
+                                   outcome.cached_tokens, outcome.prompt_tokens)
         if attempt.response is not None:
             await attempt.response.aclose()
         metrics = self.metrics

@@ -16,6 +16,14 @@ short and choose the order itself:
   request is delayed, never starved; a replica that leaves routing has everything held for
   it released (``flush``) so that the proxy's failover handles it.
 
+The order is only as good as the predictions. Where a replica's recent predictions were
+far off (approximate mode on a replica that evicts heavily: a turn predicted cached is a
+full recompute, one predicted cold was cached) ordering by them is worse than arrival
+order, so ``PredictionTrust`` watches each replica's last ``window`` predictions against
+the cached tokens it reported, and a replica whose share of close predictions fell below
+``min_close`` is served first come, first served (its held requests released, new ones
+sent at once) until its predictions are close again.
+
 The routing decision is made before admission (the held request already counts in the
 replica's load through its lease), so holding never changes where a request goes, only
 when it is sent. Only what the gateway can observe is gated: non-streaming requests (whose
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -189,19 +198,64 @@ class PrefillQueue:
             self.on_release(t)
 
 
+class PredictionTrust:
+    """Per replica: were its last ``window`` predictions of cached tokens close? (pure)
+
+    Close: within ``tolerance_tokens`` or ``tolerance_share`` of the prompt, whichever is
+    larger. A replica is trusted until ``min_samples`` predictions are known, then while
+    at least ``min_close`` of the last ``window`` were close."""
+
+    def __init__(self, window: int = 64, min_samples: int = 16, min_close: float = 0.9,
+                 tolerance_tokens: int = 1024, tolerance_share: float = 0.1) -> None:
+        self.window, self.min_samples, self.min_close = window, min_samples, min_close
+        self.tolerance_tokens, self.tolerance_share = tolerance_tokens, tolerance_share
+        self._seen: dict[ReplicaId, deque[bool]] = {}
+        self._close: dict[ReplicaId, int] = {}
+
+    def observe(self, replica: ReplicaId, predicted_cached: int, reported_cached: int, prompt_tokens: int) -> None:
+        seen = self._seen.setdefault(replica, deque())
+        close = abs(predicted_cached - reported_cached) <= max(self.tolerance_tokens,
+                                                              self.tolerance_share * prompt_tokens)
+        seen.append(close)
+        self._close[replica] = self._close.get(replica, 0) + close
+        if len(seen) > self.window:
+            self._close[replica] -= seen.popleft()
+
+    def trusted(self, replica: ReplicaId) -> bool:
+        seen = self._seen.get(replica)
+        if seen is None or len(seen) < self.min_samples:
+            return True
+        return self._close[replica] >= self.min_close * len(seen)
+
+    def forget(self, replica: ReplicaId) -> None:
+        self._seen.pop(replica, None)
+        self._close.pop(replica, None)
+
+
 class AdmissionFront:
     """What the gateway's and the simulator's fronts share: which requests are gated (only
     streaming ones, when enabled), the held sizes for views, and the ticket's two ends,
     each tolerating an ungated request (``None``)."""
 
-    def __init__(self, enabled: bool, budget_tokens: int, max_wait_s: float) -> None:
+    def __init__(self, enabled: bool, budget_tokens: int, max_wait_s: float,
+                 trust: PredictionTrust | None = None) -> None:
         self.enabled = enabled
         self.queue = PrefillQueue(budget_tokens, max_wait_s, self._released)
+        self.trust = trust or PredictionTrust()
 
     def _ticket(self, replica: ReplicaId, tokens: int, stream: bool, now_s: float) -> Ticket | None:
         if not self.enabled or not stream:
             return None
+        if not self.trust.trusted(replica):
+            self.queue.flush(replica)  # first come, first served there until predictions are close again
+            return None
         return self.queue.offer(replica, tokens, now_s)
+
+    def observe(self, replica: ReplicaId, predicted_cached: int, reported_cached: int | None,
+                prompt_tokens: int | None) -> None:
+        """A served request's prediction against what the replica reported (``PredictionTrust``)."""
+        if reported_cached is not None and prompt_tokens:
+            self.trust.observe(replica, predicted_cached, reported_cached, prompt_tokens)
 
     def held(self, replica: ReplicaId) -> tuple[int, ...]:
         """Predicted prefill tokens of the requests held for ``replica`` (for its view)."""

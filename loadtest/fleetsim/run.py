@@ -241,6 +241,9 @@ class FleetRun:
             outcome = Outcome(ok=True, status=200, prompt_tokens=result.prompt_tokens,
                               cached_tokens=result.cached_tokens,
                               completion_tokens=result.completion_tokens, ttft_s=ttft)
+        if outcome.ok:
+            self.admission.observe(f.decision.replica, f.decision.predicted_cached_tokens, outcome.cached_tokens,
+                                   outcome.prompt_tokens)
         self.router.completed(f.ctx, f.decision, outcome, now_s)
         f.on_done(now_s)
 
