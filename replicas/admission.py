@@ -145,7 +145,11 @@ class PrefillQueue:
             self.started(ticket)
         elif ticket.state is TicketState.HELD:
             ticket.state = TicketState.DONE
-            ticket.home.held_count -= 1
+            r = ticket.home
+            r.held_count -= 1
+            if len(r.held) > 2 * r.held_count + 64:  # bound the lazily deleted entries
+                r.held = [t for t in r.held if t.state is TicketState.HELD]
+                heapq.heapify(r.held)
 
     def expire(self, now_s: float) -> list[Ticket]:
         """Release every ticket held for ``max_wait_s`` or longer; returns them."""

@@ -126,3 +126,13 @@ def test_the_view_counts_only_the_prefill_that_goes_first() -> None:
     fifo = ReplicaView(id=A, state=ReplicaState.ACTIVE, pending_prefill_tokens=3_000,
                        reported_waiting_uncached_tokens=5_000)
     assert fifo.prefill_ahead(1) == 5_000  # nothing held: first come, first served (the max)
+
+
+def test_clients_leaving_while_held_do_not_grow_the_queue() -> None:
+    q, _ = queue(budget=1)
+    q.offer(A, 100, 0.0)  # never starts: everything after it is held
+    keep = q.offer(A, 5, 0.0)
+    for i in range(10_000):
+        q.done(q.offer(A, 10, float(i)))
+    assert q.held(A) == 1 and len(q._replicas[A].held) <= 2 * 1 + 64 + 1
+    assert q.held_sizes(A) == (keep.tokens,)
