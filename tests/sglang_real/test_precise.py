@@ -93,8 +93,15 @@ def wait_for(cond: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def quiet(mode: PreciseMode, settle_s: float = 0.15, timeout_s: float = 5.0) -> None:
-    """Until the event streams stay quiet for ``settle_s`` (a finished request's stores arrived)."""
+def quiet(mode: PreciseMode, settle_s: float = 0.15, timeout_s: float = 5.0, before: int | None = None,
+          first_s: float = 2.0) -> None:
+    """Until the event streams stay quiet for ``settle_s`` (a finished request's stores arrived).
+
+    ``before``: the event count before the request; its events are first awaited for up to
+    ``first_s`` (under load SGLang's batch can come later than one settle period)."""
+    start = time.monotonic()
+    while before is not None and mode.sink.events == before and time.monotonic() - start < first_s:
+        time.sleep(0.02)
     deadline = time.monotonic() + timeout_s
     last, since = mode.sink.events, time.monotonic()
     while time.monotonic() < deadline and time.monotonic() - since < settle_s:
@@ -134,8 +141,9 @@ def test_predictions_match_reported_cached_tokens_under_eviction(
     results = []
     for i in range(TURNS):
         for chat in chats:
+            before = mode.sink.events
             results.append(chat.turn(client, i))
-            quiet(mode)
+            quiet(mode, before=before)
     working_set = sum(r[1] for r in results[-SESSIONS:])
     assert working_set > 2 * POOL_TOKENS, "the workload must overflow the KV pools"
     assert mode.stream_counts()["gaps"] == 0
