@@ -117,14 +117,20 @@ def _bounded(value: str) -> str:
     return value if len(value) <= MAX_KEY_CHARS else "h:" + xxhash.xxh3_128_hexdigest(value.encode())
 
 
-def session_keys(headers: Mapping[str, str], user: Any, cfg: SessionConfig) -> SessionKeys:
-    """The conversation's key and its parent's (see ``SessionConfig``)."""
-    session = source = None
+def _session_header(headers: Mapping[str, str], cfg: SessionConfig) -> tuple[str, str] | None:
+    """The first session header present (``SessionConfig.headers`` order): (name, bounded value)."""
     for name in cfg.headers:
         value = headers.get(name)
         if value:
-            session, source = _bounded(value), name
-            break
+            return name, _bounded(value)
+    return None
+
+
+def session_keys(headers: Mapping[str, str], user: Any, cfg: SessionConfig) -> SessionKeys:
+    """The conversation's key and its parent's (see ``SessionConfig``)."""
+    session = source = None
+    if (found := _session_header(headers, cfg)) is not None:
+        source, session = found
     if session is None and cfg.use_user_field and isinstance(user, str) and user:
         session = _bounded("user:" + user)
     parent = next((_bounded(v) for name in cfg.parent_headers if (v := headers.get(name))), None)
@@ -142,9 +148,8 @@ def _check_content_type(content_type: str | None) -> None:
         raise UnsupportedMediaType(f"content type must be application/json, got {content_type!r}")
 
 
-def _parse(body: bytes, limit: int) -> dict[str, Any]:
-    if len(body) > limit:
-        raise PayloadTooLarge(f"request body is {len(body)} bytes; the limit is {limit}")
+def _parse(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object (its size was checked by ``build_context``)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -283,7 +288,7 @@ def build_context(
         if done is not None:
             return _context(kind, headers, cfg, done.model, done.session_field, done.hashes, done.chars, None,
                             done.short_raw, done.max_tokens, done.stream, "", done.payload)
-    data = _parse(body, hcfg.max_body_bytes)
+    data = _parse(body)
     model = agent_api.check(kind, data) if kind in AGENT_ENDPOINTS else _model(data)
     max_tokens, stream = _max_tokens(kind, data), _stream(data)
     try:
@@ -325,10 +330,8 @@ _ANCHOR_BYTES = 512  # a session-less body's cache key: a digest of its first by
 
 def _cache_key(kind: str, headers: Mapping[str, str], body: bytes, cfg: SessionConfig) -> tuple[str, str, Any]:
     """Where ``gateway.context_cache`` files a body: its session header, else its first bytes."""
-    for name in cfg.headers:
-        value = headers.get(name)
-        if value:
-            return kind, name, _bounded(value)
+    if (found := _session_header(headers, cfg)) is not None:
+        return kind, *found
     return kind, "", xxhash.xxh3_64_intdigest(body[:_ANCHOR_BYTES])
 
 

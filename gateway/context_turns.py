@@ -269,9 +269,8 @@ def _finish(t: _Turn, r: _Rendered, spans: Callable[[int], context_spans.Spans |
     chain = t.hit.entry.hashes[:count0] if t.hit is not None else array("Q")
     buf = (b0.tail if b0 is not None else b"") + items_raw + r.end.encode()  # from block count0 on
     h = chain[-1] if chain else prefix_hash.model_seed(t.model)
-    more = prefix_hash.extend_chain(h, buf, t.block, t.max_blocks - count0)
-    hashes = tuple(chain) + tuple(more) if chain else tuple(more)
-    chain.extend(more)
+    chain.extend(prefix_hash.extend_chain(h, buf, t.block, t.max_blocks - count0))
+    hashes = tuple(chain)
     chars = (b0.chars if b0 is not None else 0) + len(text)
     state = _Chain(t.head_id, chain, buf, b0, t.block, t.max_blocks, (b0.rendered if b0 else 0) + len(items_raw),
                    chars)
