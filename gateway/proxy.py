@@ -76,6 +76,7 @@ from gateway.relay import (
 from gateway.retry import PoisonBodies, RetryBudget
 from gateway.router import Router
 from gateway.scaling import HitWindow
+from gateway.stall_watch import StallWatch
 from gateway.upstream import (
     ConnectFailed,
     ResponseLike,
@@ -406,18 +407,28 @@ class Proxy:
         last = first
         yield first
         sniffer.feed(first)
+        watch = StallWatch(stall_s)  # one timer for the stream, not one per chunk
         try:
-            while (chunk := await _next_chunk(chunks, stall_s)) is not None:
+            while True:
+                watch.reading()
+                chunk = await anext(chunks, None)
+                watch.arrived()
+                if chunk is None:
+                    break
                 yield chunk
                 sniffer.feed(chunk)
                 last = chunk
-        except (TimeoutError, UpstreamFailure) as exc:
-            what = f"stalled for {stall_s:g} s" if _stalled(exc) else f"failed mid-stream ({exc})"
+        except (asyncio.CancelledError, TimeoutError, UpstreamFailure) as exc:
+            if isinstance(exc, asyncio.CancelledError) and not watch.stalled(exc):
+                raise
+            what = (f"stalled for {stall_s:g} s" if _stalled(exc) or isinstance(exc, asyncio.CancelledError)
+                    else f"failed mid-stream ({exc})")
             attempt.stream_error = f"replica {attempt.decision.replica} {what}"
             yield (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error(attempt.stream_error,
                                                                              api=attempt.ctx.endpoint)
             return
         finally:
+            watch.close()
             attempt.last_byte_s = time.perf_counter()
         attempt.complete = True
 
