@@ -23,5 +23,7 @@ def make_index(config: IndexConfig) -> PrefixIndex:
 
         return CompactPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default,
                                   max_sessions=config.max_sessions)
+    # the gateway's hashes are chains (block k's hash names blocks 0..k): held blocks are a
+    # prefix of a chain, so match and record binary-search them instead of walking
     return MemoryPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default,
-                             max_sessions=config.max_sessions)
+                             max_sessions=config.max_sessions, assume_chains=True)

@@ -2,16 +2,17 @@
 
 Layout
 - Each replica gets a *slot* s; a block's entry in ``_owners`` (``dict[hash, int]``) is a
-  bit set with bit ``2s`` = "replica s holds it" and bit ``2s+1`` = "... in the host tier".
+  bit set with bit ``2s`` = "replica s holds it" (in either tier; the odd bits stay 0). The
+  tier is read from the replica's own LRUs, so moving a block between its tiers (HiCache's
+  demotion and load-back, most of a busy replica's work) touches only those two dicts.
 - Each replica keeps two ``OrderedDict`` LRUs (``device``, ``host``; last = most recent).
   Together they are ONE recency list: the replica's ``device_blocks`` most recent blocks
   are on device, the next ``host_blocks`` in host, the rest dropped. ``record`` walks the
   chain backwards so block 0 ends most recent: a prefix outlives its extensions, as in
   SGLang's radix cache (leaves are evicted first).
 - ``match`` walks the chain once, narrowing a bit mask of still-matching replicas: one
-  dict lookup and a few integer operations per block, whatever the number of replicas.
-  Host blocks are counted over runs of equal host masks (the mask changes rarely along a
-  chain), not per block and replica.
+  dict lookup and a few integer operations per block, whatever the number of replicas;
+  then each matching replica's host blocks are counted in its host LRU (a C loop).
 - ``record`` and ``_rebalance`` do their per-block work in C loops (``map``/``filter``/
   ``update`` over the chain or over an ``islice`` of the oldest blocks of a tier): the
   chain's new blocks are inserted, then the whole chain is moved to the MRU end in order
@@ -113,25 +114,22 @@ class MemoryPrefixIndex(SessionMethods):
         walked = {s: rid for s, rid in by_slot.items() if s not in searched}
         out = {rid: PrefixMatch() for rid in replicas}
         out.update(self._walk(hashes, walked) if walked else {})
-        for s, rid in searched.items():
-            out[rid] = self._search(hashes, s)
+        for rid in searched.values():
+            out[rid] = self._search(hashes, self._replicas[rid])
         return out
 
-    def _search(self, hashes: Sequence[BlockHash], slot: int) -> PrefixMatch:
+    def _search(self, hashes: Sequence[BlockHash], st: _Replica) -> PrefixMatch:
         """A gap-free replica's match on a chain: held and device blocks are prefixes."""
         get = self._owners.get
-        pbit = 1 << (2 * slot)
-        both = pbit | pbit << 1
+        pbit = st.present_bit
         held = _run(hashes, 0, len(hashes), lambda h: bool(get(h, 0) & pbit))
-        device = _run(hashes, 0, held, lambda h: get(h, 0) & both == pbit)
+        device = _run(hashes, 0, held, st.device.__contains__)
         return PrefixMatch(device_blocks=device, host_blocks=held - device)
 
     def _walk(self, hashes: Sequence[BlockHash], by_slot: dict[int, ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
         """Match by walking the chain once for the replicas in ``by_slot`` (any hash list)."""
         alive = sum(1 << (2 * s) for s in by_slot)
         lengths: dict[int, int] = {}
-        runs: list[tuple[int, int]] = []  # (host mask, first block index of the run)
-        host_mask = 0
         get = self._owners.get
         k = 0
         for k, h in enumerate(hashes):
@@ -142,29 +140,17 @@ class MemoryPrefixIndex(SessionMethods):
                 alive &= v
                 if not alive:
                     break
-            hm = (v >> 1) & alive
-            if hm != host_mask:
-                runs.append((hm, k))
-                host_mask = hm
         else:
             k = len(hashes)
         for s in _slots(alive):
             lengths[s] = k
-        host = self._host_counts(runs, k)
         out: dict[ReplicaId, PrefixMatch] = {}
         for s, n in lengths.items():
             if n:
-                out[by_slot[s]] = PrefixMatch(device_blocks=n - host.get(s, 0), host_blocks=host.get(s, 0))
+                rid = by_slot[s]
+                host = sum(map(self._replicas[rid].host.__contains__, islice(hashes, n)))
+                out[rid] = PrefixMatch(device_blocks=n - host, host_blocks=host)
         return out
-
-    @staticmethod
-    def _host_counts(runs: list[tuple[int, int]], end: int) -> dict[int, int]:
-        host: dict[int, int] = {}
-        for i, (mask, start) in enumerate(runs):
-            stop = runs[i + 1][1] if i + 1 < len(runs) else end
-            for s in _slots(mask):
-                host[s] = host.get(s, 0) + stop - start
-        return host
 
     async def stats(self) -> IndexStats:
         return IndexStats(
@@ -191,12 +177,15 @@ class MemoryPrefixIndex(SessionMethods):
         chain = hashes[::-1]  # block 0 last: most recent
         owners, device, host = self._owners, st.device, st.host
         pbit = st.present_bit
-        hbit = pbit << 1
         absent: Sequence[BlockHash]
+        moved: Sequence[BlockHash] = chain  # blocks already on device, moved to the MRU end
         if self._chains and not st.gaps:  # device blocks, then host ones, are prefixes
             d = _run(hashes, 0, len(hashes), device.__contains__)
             c = _run(hashes, d, len(hashes), host.__contains__)
-            absent, promoted, fresh = hashes[d:], hashes[d:c], hashes[c:]
+            promoted, fresh = hashes[d:c], hashes[c:]
+            # the chain's absent blocks come first in its order: inserted in that order, then
+            # only the held prefix moves behind them (the same order as moving every block)
+            absent, moved = chain[:len(chain) - d], chain[len(chain) - d:]
         else:
             absent = list(filterfalse(device.__contains__, chain))
             promoted = list(filter(host.__contains__, absent))
@@ -204,10 +193,9 @@ class MemoryPrefixIndex(SessionMethods):
             if st.gaps:  # recorded again: no longer missing
                 st.gaps.difference_update(hashes)
         deque(map(host.pop, promoted, repeat(None)), maxlen=0)  # a repeated block
-        owners.update(zip(promoted, map((~hbit).__and__, map(owners.__getitem__, promoted))))
         owners.update(zip(fresh, map(pbit.__or__, map(owners.get, fresh, repeat(0)))))
         device.update(zip(absent, repeat(None)))
-        deque(map(device.move_to_end, chain), maxlen=0)  # the chain to the end, in its order
+        deque(map(device.move_to_end, moved), maxlen=0)  # the chain to the end, in its order
         self._rebalance(st)
 
     async def truncate(self, replica: ReplicaId, hashes: Sequence[BlockHash], keep_blocks: int) -> None:
@@ -246,7 +234,7 @@ class MemoryPrefixIndex(SessionMethods):
         return st
 
     def _clear(self, h: BlockHash, pbit: int) -> None:
-        v = self._owners.get(h, 0) & ~(pbit | pbit << 1)
+        v = self._owners.get(h, 0) & ~pbit
         if v:
             self._owners[h] = v
         else:
@@ -255,23 +243,19 @@ class MemoryPrefixIndex(SessionMethods):
     def _rebalance(self, st: _Replica) -> None:
         """Restore the tier sizes: device = the most recent ``device_blocks``, host = next."""
         owners, device, host = self._owners, st.device, st.host
-        pbit = st.present_bit
-        hbit = pbit << 1
         dcap, hcap = max(st.capacity.device_blocks, 0), max(st.capacity.host_blocks, 0)
         if len(device) > dcap:  # demote the device LRU blocks -> host MRU, oldest first
             moved = list(islice(device, len(device) - dcap))
             deque(map(device.pop, moved), maxlen=0)
             host.update(zip(moved, repeat(None)))
-            owners.update(zip(moved, map(hbit.__or__, map(owners.__getitem__, moved))))
         while len(device) < dcap and host:  # room on device: the host MRU moves up
             h, _ = host.popitem(last=True)
             device[h] = None
             device.move_to_end(h, last=False)
-            owners[h] &= ~hbit
         if len(host) > hcap:  # drop the host LRU blocks
             dropped = list(islice(host, len(host) - hcap))
             deque(map(host.pop, dropped), maxlen=0)
-            keep = ~(pbit | hbit)
+            keep = ~st.present_bit
             left = list(map(keep.__and__, map(owners.get, dropped, repeat(0))))
             owners.update(zip(dropped, left))
             deque(map(owners.pop, compress(dropped, map(not_, left))), maxlen=0)

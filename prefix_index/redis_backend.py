@@ -106,7 +106,8 @@ class RedisPrefixIndex:
         self._p = config.key_prefix
         self._block_ttl_ms = max(int(config.block_ttl_s * 1000), 1)
         default = ReplicaCapacity(config.default_device_blocks, config.default_host_blocks)
-        self._local = MemoryPrefixIndex(config.session_ttl_s, default, max_sessions=config.max_sessions)
+        self._local = MemoryPrefixIndex(config.session_ttl_s, default, max_sessions=config.max_sessions,
+                                        assume_chains=not config.redis_exact_match)
         scripts = EXACT_SCRIPTS if config.redis_exact_match else CHAIN_SCRIPTS
         self._scripts = {name: client.register_script(src) for name, src in scripts.items()}
         self.degraded = False

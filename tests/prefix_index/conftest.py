@@ -22,7 +22,7 @@ from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.redis_backend import RedisPrefixIndex
 from tests.support.redis_server import redis_server
 
-BACKENDS = ["memory", "compact", "redis", "redis-exact", "redis-write-behind"]
+BACKENDS = ["memory", "memory-walk", "compact", "redis", "redis-exact", "redis-write-behind"]
 MakeIndex = Callable[..., Awaitable[PrefixIndex]]
 
 
@@ -68,9 +68,9 @@ async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[MakeIndex]
     async def make(**overrides: Any) -> PrefixIndex:
         cfg = IndexConfig(**overrides)
         index: PrefixIndex
-        if backend == "memory":
+        if backend in ("memory", "memory-walk"):  # memory: as the factory builds it (chains searched)
             index = MemoryPrefixIndex(cfg.session_ttl_s, ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks),
-                                      max_sessions=cfg.max_sessions)
+                                      max_sessions=cfg.max_sessions, assume_chains=backend == "memory")
         elif backend == "compact":
             index = CompactPrefixIndex(cfg.session_ttl_s,
                                        ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks),
