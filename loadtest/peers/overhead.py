@@ -7,7 +7,7 @@ concurrent requests straight to the replica, then ``c`` through the router, alte
 so drift hits both sides alike; the router's CPU (user + system from
 ``/proc/<pid>/stat``) is counted around its own rounds only. Cases: a small chat body and
 ``--kbs`` KB agent-shaped ones (default 100 and 400), non-streaming (``max_tokens = 1``,
-time to the end of the body) and streaming (``max_tokens = 8``: time to the first body
+time to the end of the body) and streaming (``max_tokens = --stream-tokens``, 8: time to the first body
 byte and to the end), at each ``--concurrency`` (default 1 and 32).
 
 Added latency at p50, p90, p99 and p99.9 = router percentile - direct percentile, with a
@@ -57,7 +57,6 @@ from loadtest.percentile import percentile
 from loadtest.simulator.fleet import SimFleet
 
 QS = (50.0, 90.0, 99.0, 99.9)
-STREAM_TOKENS = 8
 UNSUPPORTED = "* unsupported: fewer than 10 samples beyond the percentile (loadtest.percentile.supported)"
 SLOW_PROBES = ("--set", "registry.probe_interval_s=60", "--set", "registry.loads_poll_interval_s=60")
 
@@ -79,6 +78,7 @@ class Options:
     max_rate_n: int = 1000  # samples per side and step at least: a supported p99
     max_rate_steps: int = 12
     max_rate_p99_ms: float = 10.0
+    stream_tokens: int = 8  # output tokens of a streamed case (one SSE chunk each)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -110,7 +110,7 @@ def cases(opts: Options) -> list[tuple[Case, bytes]]:
     for c in opts.concurrency:
         for name, body, n in sizes:
             for stream in (False, True):
-                b = with_stream(body, stream, STREAM_TOKENS if stream else 1)
+                b = with_stream(body, stream, opts.stream_tokens if stream else 1)
                 out.append((Case(name, len(b) / 1000, stream, c, n), b))
     return out
 
@@ -280,6 +280,8 @@ def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentG
     parser.add_argument("--max-rate-n", type=int, default=d.max_rate_n, help="samples per side and step, at least")
     parser.add_argument("--max-rate-steps", type=int, default=d.max_rate_steps)
     parser.add_argument("--max-rate-p99-ms", type=float, default=d.max_rate_p99_ms)
+    parser.add_argument("--stream-tokens", type=int, default=d.stream_tokens,
+                        help="output tokens (SSE chunks) per streamed request: the per-chunk relay cost")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
