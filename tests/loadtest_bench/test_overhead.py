@@ -39,6 +39,15 @@ def test_options_from_bench_peers_flags_and_own_flags() -> None:
     assert all(c.kb > 390 for c, _ in cases(own) if c.body == "400KB")
 
 
+def test_stream_tokens_sets_the_streamed_cases_length() -> None:
+    parser = argparse.ArgumentParser()
+    add_overhead_arguments(parser)
+    opts = Options.from_args(parser.parse_args(["--concurrency", "1", "--kbs", "100", "--stream-tokens", "200"]))
+    lengths = {(c.stream, orjson.loads(b)["max_tokens"]) for c, b in cases(opts)}
+    assert lengths == {(False, 1), (True, 200)}
+    assert Options().stream_tokens == 8
+
+
 def test_rows_state_counts_and_flag_p999() -> None:
     opts = Options(resamples=50)
     case = next(c for c, _ in cases(opts) if c.stream)

@@ -7,7 +7,7 @@ three relays in front of the same simulated replica (``kimi-k2.6-b200-tp8`` at
 ``--requests`` answers of ``--tokens`` tokens through each, ``--concurrency`` at a time:
 
 - ``kvgate``: ``kvgate serve`` (cache-aware, in-memory index), the whole data plane;
-- ``sglang-router``: sglang-router 0.3.2 (Rust), when installed (``tools/bench/install.sh``);
+- ``sglang-router``: sglang-router 0.3.2 (Rust), when installed (``bash loadtest/peers/install.sh``);
 - ``splice``: a byte-level TCP splice in Python on uvloop (this file, ``--serve-splice``):
   no HTTP parsing, no routing, one ``transport.write`` per ``data_received``. It is the
   floor of any Python relay on this event loop: what a relay below ASGI (parsing only the
@@ -173,7 +173,7 @@ def main() -> int:
                     proc.terminate()
                     proc.wait(10)
             elif missing_peers([relay]):
-                print(f"{relay}: not installed (tools/bench/install.sh); skipped", file=sys.stderr)
+                print(f"{relay}: not installed (bash loadtest/peers/install.sh); skipped", file=sys.stderr)
             else:
                 with running_peer(relay, fleet.urls, log_dir=log_dir) as peer:
                     rows.append(measure(relay, peer.url, peer.pid, args))
