@@ -27,6 +27,16 @@ Layout
   (~log2(n) lookups per replica instead of one per block). Only ``truncate`` can leave a
   held block whose parent is gone: its removed blocks are the replica's ``gaps``, and a
   replica with gaps is walked block by block until recording them again fills them.
+  Gaps are bounded: a gap matters only while a block held at the time of the truncation
+  and not touched since is still held (a block touched since was recorded with its whole
+  chain, the gap included). The replica's most recent block right after the last
+  truncation (``gap_marker``) is the newest of those; once the LRUs have dropped it, they
+  have dropped all of them, and the gaps are cleared. Truncations that keep coming keep the
+  marker recent, so the gaps are also capped at the replica's capacity in blocks
+  (``MAX_GAPS_MIN`` at least): past it they are forgotten and the replica is searched
+  again, at the price of a prediction that may be off for a chain crossing an old gap
+  (another chain's descendants of a truncated block; the next record of that chain
+  repairs it).
   The answers are those of the walk (checked by the same test file).
 
 The Redis backend implements the same model (one sorted set per replica scored by a
@@ -51,6 +61,7 @@ from prefix_index.base import (
 )
 from prefix_index.session_table import DEFAULT_MAX_SESSIONS, SessionMethods, SessionTable
 
+MAX_GAPS_MIN = 4096  # gaps kept per replica at least (module docstring)
 DEFAULT_CAPACITY = ReplicaCapacity(device_blocks=16384, host_blocks=0)
 """Used until ``set_capacity``: 16,384 blocks x 64 tokens = 1M tokens of device KV, a
 mid-size GPU pool; the registry replaces it with the replica's reported size."""
@@ -63,6 +74,14 @@ class _Replica:
     device: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
     host: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
     gaps: set[BlockHash] = field(default_factory=set)  # truncated, not recorded since
+    gap_marker: BlockHash | None = None  # the most recent block right after the last truncation
+
+    def drop_stale_gaps(self) -> None:
+        """Clear the gaps once the LRUs no longer hold the marker (module docstring)."""
+        marker = self.gap_marker
+        if self.gaps and (marker is None or (marker not in self.device and marker not in self.host)):
+            self.gaps.clear()
+            self.gap_marker = None
 
     @property
     def present_bit(self) -> int:
@@ -177,6 +196,7 @@ class MemoryPrefixIndex(SessionMethods):
         chain = hashes[::-1]  # block 0 last: most recent
         owners, device, host = self._owners, st.device, st.host
         pbit = st.present_bit
+        st.drop_stale_gaps()
         absent: Sequence[BlockHash]
         moved: Sequence[BlockHash] = chain  # blocks already on device, moved to the MRU end
         if self._chains and not st.gaps:  # device blocks, then host ones, are prefixes
@@ -208,6 +228,12 @@ class MemoryPrefixIndex(SessionMethods):
                 if self._chains:  # its descendants on other chains may stay: a gap
                     st.gaps.add(h)
         self._rebalance(st)
+        if st.gaps:
+            st.gap_marker = next(reversed(st.device), None) if st.device else next(reversed(st.host), None)
+            st.drop_stale_gaps()  # nothing held: nothing can sit behind a gap
+            if len(st.gaps) > max(st.capacity.device_blocks + st.capacity.host_blocks, MAX_GAPS_MIN):
+                st.gaps.clear()
+                st.gap_marker = None
 
     async def set_capacity(self, replica: ReplicaId, capacity: ReplicaCapacity) -> None:
         st = self._replica(replica)
