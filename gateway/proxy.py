@@ -419,10 +419,10 @@ class Proxy:
                 sniffer.feed(chunk)
                 last = chunk
         except (asyncio.CancelledError, TimeoutError, UpstreamFailure) as exc:
-            if isinstance(exc, asyncio.CancelledError) and not watch.stalled(exc):
+            stalled = watch.stalled(exc)  # this watch's own cancellation, taken back
+            if isinstance(exc, asyncio.CancelledError) and not stalled:
                 raise
-            what = (f"stalled for {stall_s:g} s" if _stalled(exc) or isinstance(exc, asyncio.CancelledError)
-                    else f"failed mid-stream ({exc})")
+            what = f"stalled for {stall_s:g} s" if stalled or _stalled(exc) else f"failed mid-stream ({exc})"
             attempt.stream_error = f"replica {attempt.decision.replica} {what}"
             yield (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error(attempt.stream_error,
                                                                              api=attempt.ctx.endpoint)

@@ -49,9 +49,9 @@ class StallWatch:
             self._handle = None
             self.fired = True
             self._task.cancel()
-        else:  # not waiting on the replica, or data came since: look again at the new deadline
-            self._handle = self._loop.call_at(max(due, self._loop.time() + self.limit_s * (not self._reading)),
-                                              self._check)
+        else:  # data came since (look again at the new deadline), or not waiting on the replica
+            at = due if self._reading else max(due, self._loop.time() + self.limit_s)
+            self._handle = self._loop.call_at(at, self._check)
 
     def stalled(self, exc: BaseException) -> bool:
         """True when ``exc`` is this watch's cancellation alone (then it is taken back from

@@ -230,8 +230,9 @@ class MemoryPrefixIndex(SessionMethods):
         self._rebalance(st)
         if st.gaps:
             st.gap_marker = next(reversed(st.device), None) if st.device else next(reversed(st.host), None)
-            st.drop_stale_gaps()  # nothing held: nothing can sit behind a gap
-            if len(st.gaps) > max(st.capacity.device_blocks + st.capacity.host_blocks, MAX_GAPS_MIN):
+            # nothing held (nothing can sit behind a gap), or past the cap: forget them
+            if st.gap_marker is None or len(st.gaps) > max(st.capacity.device_blocks + st.capacity.host_blocks,
+                                                           MAX_GAPS_MIN):
                 st.gaps.clear()
                 st.gap_marker = None
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import tempfile
@@ -79,12 +78,6 @@ def serve_splice(port: int, upstream: str) -> None:
             await server.serve_forever()
 
     uvloop.run(main())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def stream_all(url: str, tokens: int, requests: int, concurrency: int) -> list[int]:
@@ -147,7 +140,7 @@ def main() -> int:
     from loadtest.demo import GatewayProcess
     from loadtest.peers.overhead import SLOW_PROBES
     from loadtest.peers.run import missing_peers, running_peer
-    from loadtest.simulator.fleet import SimFleet
+    from loadtest.simulator.fleet import SimFleet, free_port, wait_healthy
 
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-relay-floor-"))
     rows = []
@@ -161,13 +154,7 @@ def main() -> int:
                 port = free_port()
                 proc = subprocess.Popen([sys.executable, __file__, "--serve-splice", str(port), fleet.urls[0]])
                 try:
-                    deadline = time.monotonic() + 10
-                    while time.monotonic() < deadline:
-                        try:
-                            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                            break
-                        except OSError:
-                            time.sleep(0.05)
+                    wait_healthy(f"http://127.0.0.1:{port}", 10.0, proc)  # the replica's /health, spliced
                     rows.append(measure(relay, f"http://127.0.0.1:{port}", proc.pid, args))
                 finally:
                     proc.terminate()
