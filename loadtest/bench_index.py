@@ -48,7 +48,7 @@ from policies.registry import make_policy
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
 from prefix_index.compact import CompactPrefixIndex
 from prefix_index.config import IndexConfig
-from prefix_index.memory import MemoryPrefixIndex
+from prefix_index.factory import make_index
 from prefix_index.redis_backend import RedisPrefixIndex
 from replicas.model import ReplicaState, ReplicaView
 
@@ -194,7 +194,16 @@ def _redis_cpu(client: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-EMBEDDED: dict[str, Callable[[], PrefixIndex]] = {"memory": MemoryPrefixIndex, "compact": CompactPrefixIndex}
+EMBEDDED = ("memory", "compact")
+
+
+def embedded_index(backend: str) -> PrefixIndex:
+    """The embedded backend exactly as the gateway builds it (``prefix_index.factory``)."""
+    if backend not in EMBEDDED:
+        raise ValueError(f"not an embedded backend: {backend!r}")
+    return make_index(IndexConfig.model_validate({"backend": backend}))
+
+
 
 
 def policy_decider(w: IndexWorkload) -> Decide:
@@ -218,7 +227,7 @@ async def bench_embedded(backend: str, w: IndexWorkload, n: int, turn_blocks: in
     (``freeze``: ``gc.freeze()`` after it, as a gateway would after start-up)."""
     gc.collect()
     rss0, t0 = _rss_bytes(), time.perf_counter()
-    index = EMBEDDED[backend]()
+    index = embedded_index(backend)
     await populate(index, w)
     fill_s = time.perf_counter() - t0
     gc.collect()

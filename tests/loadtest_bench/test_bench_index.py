@@ -8,7 +8,14 @@ import math
 
 import pytest
 
-from loadtest.bench_index import EMBEDDED, bench_embedded, main, make_workload, populate
+from loadtest.bench_index import (
+    EMBEDDED,
+    bench_embedded,
+    embedded_index,
+    main,
+    make_workload,
+    populate,
+)
 from prefix_index.base import PrefixMatch, ReplicaId
 
 
@@ -36,7 +43,7 @@ def test_backends_agree_on_the_workload() -> None:
     w = make_workload(5, 300, 90, n_sessions=4, host_blocks_per_replica=300)
 
     async def matches(backend: str) -> dict[ReplicaId, PrefixMatch]:
-        index = EMBEDDED[backend]()
+        index = embedded_index(backend)
         await populate(index, w)
         return await index.match(w.request, w.replicas)
 
