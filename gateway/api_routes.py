@@ -35,7 +35,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from gateway.api_agents import previous_response_id
 from gateway.bodies import read_body
@@ -51,6 +51,7 @@ from gateway.errors import (
 from gateway.proxy import PINNED
 from gateway.relay import (
     HeaderPolicy,
+    RelayResponse,
     downstream_headers,
     error_response,
     route_headers,
@@ -127,8 +128,8 @@ class ResponsesApi:
         replica = _replica_of(response)
         if replica is None or response.status_code != 200:
             return response
-        if isinstance(response, StreamingResponse):
-            response.body_iterator = self._sniff(response.body_iterator, replica)  # type: ignore[arg-type]
+        if isinstance(response, RelayResponse):
+            response.body_iterator = self._sniff(response.body_iterator, replica)
             return response
         found = _CREATED_ID.search(bytes(response.body[:SNIFF_LIMIT]))
         if found:

@@ -42,12 +42,12 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
-from starlette.types import Receive
 
 from gateway import admin
 from gateway.admission import Admission
 from gateway.api_routes import ResponsesApi, install_agent_routes, install_error_handlers
 from gateway.bodies import read_body
+from gateway.client_watch import ClientWatch
 from gateway.context import build_context
 from gateway.errors import GatewayError
 from gateway.kv_wiring import attach_precise
@@ -96,12 +96,6 @@ def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None =
     for name in ("accept", "accept-encoding", "user-agent", "connection"):
         client.headers.pop(name, None)
     return client
-
-
-async def _client_gone(receive: Receive) -> None:
-    """Returns when the client disconnects (the body has been read: nothing else comes)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class Gateway:
@@ -205,29 +199,9 @@ class Gateway:
     async def _until_client_leaves(request: Request, forward: Awaitable[Response]) -> Response | None:
         """``forward``'s response, or None when the client left first (``forward`` is then
         cancelled: the upstream request is closed and its lease released)."""
-        task = asyncio.current_task()
-        assert task is not None
-        gone = finished = False
-
-        def cancel(_: asyncio.Future[None]) -> None:
-            nonlocal gone
-            if watcher.cancelled() or watcher.exception() is not None or finished:
-                return  # (exception() also marks a failed watcher's error as retrieved)
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.ensure_future(_client_gone(request.receive))
-        watcher.add_done_callback(cancel)
-        try:
+        async with ClientWatch(request.receive):
             return await forward
-        except asyncio.CancelledError:
-            if not gone or task.uncancel() > 0:  # also cancelled from outside (shutdown)
-                raise
-            return None
-        finally:
-            finished = True
-            watcher.remove_done_callback(cancel)
-            watcher.cancel()
+        return None  # the client left (its cancellation was swallowed)
 
     async def refresh_metrics(self) -> None:
         """Fleet gauges and cumulative totals kept by the registry, index and policy."""

@@ -11,19 +11,20 @@
 - headers: ``upstream_headers`` (the client's, cleaned: hop-by-hop, ``Expect``,
   ``x-kvgate-*``, credentials; ``X-Forwarded-*`` added), ``downstream_headers`` (the
   replica's, cleaned), the routing headers; ``json_response`` / ``error_response`` (errors in the request's API's shape).
-- ``RelayResponse``: a StreamingResponse whose cleanup always runs (end, error, client
+- ``RelayResponse``: the relayed stream; its cleanup always runs (end, error, client
   disconnect), shielded from cancellation.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-import anyio
 import orjson
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.client_watch import ClientWatch
 from gateway.errors import GatewayError, UpstreamError, anthropic_error_body, api_of, error_body
 from gateway.upstream_config import UpstreamConfig
 
@@ -237,26 +238,37 @@ def sse_error(message: str, type_: str = UpstreamError.type, code: str | int = 5
     return b"data: " + orjson.dumps(error_body(message, type_, code)) + b"\n\ndata: [DONE]\n\n"
 
 
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse whose cleanup always runs (end, error, client disconnect)."""
+class RelayResponse(Response):
+    """A relayed stream: the head, then each chunk of ``body_iterator`` as it comes.
+
+    It ends when the iterator does, or when the client leaves (``ClientWatch`` cancels the
+    relay; the replica's request is then closed by ``on_close``); ``on_close`` always runs,
+    shielded from cancellation. Plain asyncio: no anyio task group per stream (Starlette's
+    ``StreamingResponse`` starts one, with two tasks, to watch for the disconnect)."""
 
     def __init__(self, content: AsyncIterator[bytes], status_code: int,
                  headers: Mapping[str, str] | list[tuple[bytes, bytes]],
                  on_close: Callable[[], Awaitable[None]]) -> None:
         """``headers``: a mapping, or raw (name, value) pairs relayed as they are."""
+        self.body_iterator = content
+        self.status_code = status_code
+        self.background = None
         if isinstance(headers, list):
-            super().__init__(content, status_code=status_code)
             self.raw_headers = headers
         else:
-            super().__init__(content, status_code=status_code, headers=headers)
+            self.init_headers(headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with ClientWatch(receive):
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close()
+            await asyncio.shield(self._on_close())
 
 
 TAIL_PARSE_MIN_BYTES = 4096  # smaller bodies are parsed whole
