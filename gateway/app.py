@@ -72,6 +72,7 @@ from policies.registry import make_policy
 from prefix_index.base import PrefixIndex
 from prefix_index.factory import make_index
 from replicas.discovery import make_discovery
+from replicas.probe import AiohttpGetter
 from replicas.registry import Registry
 from replicas.shared_state import SharedState
 
@@ -222,7 +223,9 @@ def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None
     policy = make_policy(settings.policy.name, settings.policy.params, settings.policy.seed)
     shared_cfg = settings.registry.shared
     shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
-    registry = Registry(settings.registry, client, shared=shared, clock=time.time)
+    # the network's own clients unless a test replaced the network (then all goes through ``client``)
+    probes = AiohttpGetter() if transport is None else None
+    registry = Registry(settings.registry, client, shared=shared, clock=time.time, probes=probes)
     upstream = AiohttpUpstream(settings.upstream) if transport is None else None
     return Gateway(settings, client, index, registry, policy, shared_state=shared is not None, upstream=upstream)
 

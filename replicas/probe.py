@@ -1,8 +1,12 @@
 """HTTP calls to a replica, and parsers for what SGLang answers.
 
-Every function takes the process's one shared ``httpx.AsyncClient`` and never raises
-for an unreachable or misbehaving replica: it returns a result the registry can act
-on. Parsers are pure and tested against bodies shaped like SGLang 0.5.23's
+Every function takes a ``Getter`` (one GET: status and body, within a timeout, the body
+bounded by ``MAX_PROBE_BODY_BYTES``) and never raises for an unreachable or misbehaving
+replica: it returns a result the registry can act on. ``AiohttpGetter`` is the gateway's
+(its own aiohttp session: about a quarter of httpx's CPU per GET here, 0.20 vs 0.79 ms,
+and a gateway polls every replica every second); ``HttpxGetter`` wraps an
+``httpx.AsyncClient`` (unit tests inject an ``httpx.MockTransport`` there). Parsers are
+pure and tested against bodies shaped like SGLang 0.5.23's
 (``/server_info``, ``/v1/models``, ``/v1/loads``: SGLang's ``entrypoints/http_server.py``
 and ``v1_loads.py``; the simulated replica serves the same shapes, compared with the
 real server in ``tests/sglang_real``).
@@ -22,13 +26,16 @@ real server in ``tests/sglang_real``).
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import aiohttp
 import httpx
+import orjson
 
 from replicas.health import HealthEvent
 
@@ -74,62 +81,144 @@ class ProbeResult:
     timed_out: bool = False  # connected (or not) but no answer within the probe timeout
 
 
-async def probe_readiness(
-    client: httpx.AsyncClient, url: str, path: ReadyPath, timeout_s: float
-) -> ProbeResult:
+MAX_PROBE_BODY_BYTES = 4 * 1024 * 1024  # /server_info of a large replica is a few KB
+
+
+class ProbeTimedOut(Exception):
+    """No answer within the probe's timeout."""
+
+
+class ProbeFailed(Exception):
+    """The GET failed: refused, reset, a malformed answer, a body over the bound."""
+
+
+class Getter(Protocol):
+    """One GET to a replica: (status, body); raises ``ProbeTimedOut`` / ``ProbeFailed``."""
+
+    async def __call__(self, url: str, timeout_s: float) -> tuple[int, bytes]: ...
+
+    async def close(self) -> None: ...
+
+
+class HttpxGetter:
+    """A ``Getter`` over an ``httpx.AsyncClient`` the caller owns (``close`` leaves it open)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def __call__(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        try:
+            async with self._client.stream("GET", url, timeout=timeout_s) as r:
+                body = bytearray()
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    _bounded(body)
+                return r.status_code, bytes(body)
+        except httpx.TimeoutException as e:
+            raise ProbeTimedOut(f"{type(e).__name__}: {e}") from e
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
+            raise ProbeFailed(f"{type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        pass
+
+
+class AiohttpGetter:
+    """The gateway's ``Getter``: its own aiohttp session (made on first use, inside the
+    running loop), at most ``per_replica`` connections to one replica, no environment
+    proxies, no cookies."""
+
+    def __init__(self, per_replica: int = 4) -> None:
+        self._per_replica = per_replica
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._per_replica, keepalive_timeout=30.0)
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False,
+                                                  cookie_jar=aiohttp.DummyCookieJar(),
+                                                  skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        try:
+            async with asyncio.timeout(timeout_s), self._session.get(url, allow_redirects=False) as r:
+                body = bytearray()
+                async for chunk in r.content.iter_any():
+                    body += chunk
+                    _bounded(body)
+                return r.status, bytes(body)
+        except TimeoutError as e:
+            raise ProbeTimedOut(f"no answer in {timeout_s:g} s") from e
+        except (aiohttp.ClientError, ValueError) as e:
+            raise ProbeFailed(f"{type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _bounded(body: bytearray) -> None:
+    if len(body) > MAX_PROBE_BODY_BYTES:
+        raise ProbeFailed(f"answer over {MAX_PROBE_BODY_BYTES} bytes")
+
+
+async def probe_readiness(get: Getter, url: str, path: ReadyPath, timeout_s: float) -> ProbeResult:
     try:
-        r = await client.get(url + path.value, timeout=timeout_s)
-        if r.status_code == 404 and path is ReadyPath.READY:
+        status, _ = await get(url + path.value, timeout_s)
+        if status == 404 and path is ReadyPath.READY:
             path = ReadyPath.HEALTH
-            r = await client.get(url + path.value, timeout=timeout_s)
-    except httpx.TimeoutException as e:
-        return ProbeResult(HealthEvent.PROBE_FAILED, path, f"{type(e).__name__}: {e}", timed_out=True)
-    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
-        return ProbeResult(HealthEvent.PROBE_FAILED, path, f"{type(e).__name__}: {e}")
-    if r.status_code == 200:
+            status, _ = await get(url + path.value, timeout_s)
+    except ProbeTimedOut as e:
+        return ProbeResult(HealthEvent.PROBE_FAILED, path, str(e), timed_out=True)
+    except ProbeFailed as e:
+        return ProbeResult(HealthEvent.PROBE_FAILED, path, str(e))
+    if status == 200:
         return ProbeResult(HealthEvent.PROBE_OK, path)
-    if r.status_code == 503 and path is ReadyPath.READY:
+    if status == 503 and path is ReadyPath.READY:
         return ProbeResult(HealthEvent.PROBE_NOT_READY, path, "503 on /ready")
-    return ProbeResult(HealthEvent.PROBE_FAILED, path, f"HTTP {r.status_code} on {path.value}")
+    return ProbeResult(HealthEvent.PROBE_FAILED, path, f"HTTP {status} on {path.value}")
 
 
-async def _get_json(client: httpx.AsyncClient, url: str, timeout_s: float) -> Any:
-    """The JSON body of a 200, None for 404; raises httpx.HTTPError / ValueError otherwise."""
-    r = await client.get(url, timeout=timeout_s)
-    if r.status_code == 404:
+async def _get_json(get: Getter, url: str, timeout_s: float) -> Any:
+    """The JSON body of a 200, None for 404; raises ProbeTimedOut / ProbeFailed otherwise."""
+    status, body = await get(url, timeout_s)
+    if status == 404:
         return None
-    r.raise_for_status()
-    return r.json()
+    if not 200 <= status < 300:
+        raise ProbeFailed(f"HTTP {status}")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ProbeFailed(f"not JSON: {e}") from e
 
 
-async def fetch_capacity(client: httpx.AsyncClient, url: str, timeout_s: float) -> Capacity | None:
+async def fetch_capacity(get: Getter, url: str, timeout_s: float) -> Capacity | None:
     """Capacity from /server_info; ``Capacity()`` (unknown) when the route does not exist;
     None when the replica could not be asked (retry later)."""
     try:
-        body = await _get_json(client, url + "/server_info", timeout_s)
+        body = await _get_json(get, url + "/server_info", timeout_s)
         if body is None:
-            body = await _get_json(client, url + "/get_server_info", timeout_s)
-    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
+            body = await _get_json(get, url + "/get_server_info", timeout_s)
+    except (ProbeTimedOut, ProbeFailed) as e:
         log.debug("server_info of %s failed: %s", url, e)
         return None
     return parse_server_info(body) if isinstance(body, dict) else Capacity()
 
 
-async def fetch_loads(client: httpx.AsyncClient, url: str, timeout_s: float) -> ReportedLoad | None:
+async def fetch_loads(get: Getter, url: str, timeout_s: float) -> ReportedLoad | None:
     try:
-        body = await _get_json(client, url + "/v1/loads?include=core", timeout_s)
-    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
+        body = await _get_json(get, url + "/v1/loads?include=core", timeout_s)
+    except (ProbeTimedOut, ProbeFailed) as e:
         log.debug("/v1/loads of %s failed: %s", url, e)
         return None
     return parse_loads(body) if isinstance(body, dict) else None
 
 
 async def fetch_models(
-    client: httpx.AsyncClient, url: str, timeout_s: float
+    get: Getter, url: str, timeout_s: float
 ) -> list[dict[str, Any]] | None:
     try:
-        body = await _get_json(client, url + "/v1/models", timeout_s)
-    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
+        body = await _get_json(get, url + "/v1/models", timeout_s)
+    except (ProbeTimedOut, ProbeFailed) as e:
         log.debug("/v1/models of %s failed: %s", url, e)
         return None
     data = body.get("data") if isinstance(body, dict) else None

@@ -50,9 +50,12 @@ class Registry:
         *,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedState | None = None,
+        probes: probe.Getter | None = None,
     ) -> None:
+        """``probes``: how probes and load polls GET (default: over ``client``); the
+        registry closes it at ``stop``."""
         self.config = config
-        self._client = client
+        self._get = probes or probe.HttpxGetter(client)
         self._clock = clock
         self._link = SharedLink(shared, config.shared) if shared is not None else None
         self._table = ReplicaTable()
@@ -91,6 +94,7 @@ class Registry:
         self._loops.clear()
         if self._link is not None:
             await self._link.close()
+        await self._get.close()
 
     async def _every(self, interval_s: float, fn: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -281,16 +285,16 @@ class Registry:
 
     async def _probe(self, rec: ReplicaRecord) -> None:
         timeout = self.config.probe_timeout_s
-        res = await probe.probe_readiness(self._client, rec.id, rec.ready_path, timeout)
+        res = await probe.probe_readiness(self._get, rec.id, rec.ready_path, timeout)
         if self._table.records.get(rec.id) is not rec:
             return
         rec.ready_path = res.path
         if res.event is HealthEvent.PROBE_OK and rec.capacity is None:
-            cap = await probe.fetch_capacity(self._client, rec.id, timeout)
+            cap = await probe.fetch_capacity(self._get, rec.id, timeout)
             if cap is None or self._table.records.get(rec.id) is not rec:
                 return  # not joined yet: retry at the next probe
             rec.capacity = cap
-            cards = await probe.fetch_models(self._client, rec.id, timeout)
+            cards = await probe.fetch_models(self._get, rec.id, timeout)
             rec.model_cards = tuple(cards or ())
         self._probe_outcome(rec, res)
         self._apply(rec, res.event)
@@ -309,7 +313,7 @@ class Registry:
 
     async def poll_loads(self) -> None:
         async def one(rec: ReplicaRecord) -> None:
-            got = await probe.fetch_loads(self._client, rec.id, self.config.probe_timeout_s)
+            got = await probe.fetch_loads(self._get, rec.id, self.config.probe_timeout_s)
             if got is not None:
                 rec.reported = got
 
