@@ -216,11 +216,6 @@ class CompactPrefixIndex(SessionMethods):
     def replicas(self) -> list[ReplicaId]:
         return list(self._replicas)
 
-    def chain_order(self, replica: ReplicaId) -> list[BlockHash]:
-        """The replica's blocks, least recent first (to republish them elsewhere)."""
-        st = self._replicas.get(replica)
-        return [] if st is None else self._store.recency(st.slot)[::-1].tolist()
-
     # -- writes ------------------------------------------------------------------
     async def record(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
         self.record_now(replica, hashes)

@@ -182,11 +182,6 @@ class MemoryPrefixIndex(SessionMethods):
     def replicas(self) -> list[ReplicaId]:
         return list(self._replicas)
 
-    def chain_order(self, replica: ReplicaId) -> list[BlockHash]:
-        """The replica's blocks, least recent first (to republish them elsewhere)."""
-        st = self._replicas.get(replica)
-        return [] if st is None else [*st.host, *st.device]
-
     # -- writes ------------------------------------------------------------------
     async def record(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
         self.record_now(replica, hashes)
