@@ -4,9 +4,10 @@ One simulated replica (``kimi-k2.6-b200-tp8`` profile, so a 400 KB prompt fits i
 context) runs at a very high ``--time-scale`` (compute ~ 0) and is called with
 ``max_tokens = 1``, non-streaming, over keep-alive connections, one request at a time:
 once directly, once through a real ``kvgate serve`` process, alternating so drift hits
-both sides alike (``measure_async``, shared with ``kvgate bench peers --overhead``, which
-also runs it streamed and with several requests in flight per round, and ``open_loop``,
-its Poisson arrivals for the maximum-rate search). Reported per body size (a small chat request; an agent-shaped
+both sides alike (``measure_async``; ``measure_interleaved`` does the same for several
+routers at once, for ``kvgate bench peers --overhead``, which also runs it streamed and
+with several requests in flight per round; ``open_loop`` is its Poisson arrivals for the
+maximum-rate search). Reported per body size (a small chat request; an agent-shaped
 ~400 KB chat request from ``loadtest.bench_hashing.make_body``):
 
 - p50 / p99 wall latency, direct and through the gateway, and the added p50 / p99
@@ -18,8 +19,8 @@ its Poisson arrivals for the maximum-rate search). Reported per body size (a sma
 Anchor on this machine: sglang-router 0.3.2 adds +0.2 ms p50 on a small request,
 +1.8 ms p50 and 1.8 ms of CPU per 400 KB request. The machine is shared and noisy: for
 a comparison, measure sglang-router in the same run with the same method
-(``kvgate bench peers --overhead --targets kvgate,sglang-router``, which calls
-``measure`` below for every target).
+(``kvgate bench peers --overhead --targets kvgate,sglang-router``, which interleaves
+the targets' rounds).
 
     python -m loadtest.bench_gateway [--small 400] [--large 150] [--kb 400] [--policy cache-aware]
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import sys
 import tempfile
@@ -117,26 +119,35 @@ async def measure_async(replica: str, gateway: str, gateway_pid: int, body: byte
                         concurrency: int = 1) -> Samples:
     """Rounds of ``concurrency`` requests straight to the replica, then as many through the
     gateway, until ``n`` per side; the gateway's CPU is counted around its own rounds."""
+    return (await measure_interleaved(replica, [(gateway, gateway_pid)], body, n, concurrency))[0]
+
+
+async def measure_interleaved(replica: str, gateways: Sequence[tuple[str, int]], body: bytes, n: int,
+                              concurrency: int = 1) -> list[Samples]:
+    """``measure_async`` for several gateways at once: each round goes direct, gateway 1,
+    direct, gateway 2, ... so every gateway is paired with direct rounds taken beside its
+    own, and a drift of the machine hits every gateway alike (not only the one measured
+    while it lasted); each gateway's CPU is counted around its own rounds."""
     path = "/v1/chat/completions"
-    d_ttfb: list[float] = []
-    d_total: list[float] = []
-    v_ttfb: list[float] = []
-    v_total: list[float] = []
-    cpu_s = 0.0
+    samples = [Samples([], [], [], [], 0.0) for _ in gateways]
+    cpu_s = [0.0] * len(gateways)
     async with client_session(concurrency) as direct, client_session(concurrency) as via:
         for _ in range(5):  # warm up connections, caches, code paths
-            await _batch(direct, replica + path, body, concurrency)
-            await _batch(via, gateway + path, body, concurrency)
-        while len(v_total) < n:
-            for t, e in await _batch(direct, replica + path, body, concurrency):
-                d_ttfb.append(t)
-                d_total.append(e)
-            before = process_cpu_s(gateway_pid)
-            for t, e in await _batch(via, gateway + path, body, concurrency):
-                v_ttfb.append(t)
-                v_total.append(e)
-            cpu_s += process_cpu_s(gateway_pid) - before
-    return Samples(d_ttfb, d_total, v_ttfb, v_total, cpu_s)
+            for url, _pid in gateways:
+                await _batch(direct, replica + path, body, concurrency)
+                await _batch(via, url + path, body, concurrency)
+        while len(samples[-1].via_total) < n:
+            for i, (url, pid) in enumerate(gateways):
+                s = samples[i]
+                for t, e in await _batch(direct, replica + path, body, concurrency):
+                    s.direct_ttfb.append(t)
+                    s.direct_total.append(e)
+                before = process_cpu_s(pid)
+                for t, e in await _batch(via, url + path, body, concurrency):
+                    s.via_ttfb.append(t)
+                    s.via_total.append(e)
+                cpu_s[i] += process_cpu_s(pid) - before
+    return [dataclasses.replace(s, cpu_s=c) for s, c in zip(samples, cpu_s, strict=True)]
 
 
 async def open_loop(url: str, body: bytes, rate: float, n: int, seed: int) -> tuple[list[float], float]:

@@ -1,11 +1,13 @@
 """`kvgate bench peers --overhead`: the latency and CPU each router adds, side by side, one run.
 
-Method (``loadtest.bench_gateway.measure_async``, applied to every target in turn): one
-simulated replica (``kimi-k2.6-b200-tp8`` profile at ``--time-scale 1e6``, so compute is
-~0 and a 400 KB prompt fits its context), keep-alive connections, rounds of ``c``
-concurrent requests straight to the replica, then ``c`` through the router, alternating
-so drift hits both sides alike; the router's CPU (user + system from
-``/proc/<pid>/stat``) is counted around its own rounds only. Cases: a small chat body and
+Method (``loadtest.bench_gateway.measure_interleaved``): every target runs at once in
+front of one simulated replica (``kimi-k2.6-b200-tp8`` profile at ``--time-scale 1e6``,
+so compute is ~0 and a 400 KB prompt fits its context); keep-alive connections; each
+round sends ``c`` concurrent requests straight to the replica, then ``c`` through the
+first router, then ``c`` direct again and ``c`` through the second, and so on, so a
+drift of the machine hits every router and its direct samples alike; a router's CPU
+(user + system from ``/proc/<pid>/stat``) is counted around its own rounds only (a
+router idle during the others' rounds spends only its probes, slowed for kvgate). Cases: a small chat body and
 ``--kbs`` KB agent-shaped ones (default 100 and 400), non-streaming (``max_tokens = 1``,
 time to the end of the body) and streaming (``max_tokens = --stream-tokens``, 8: time to the first body
 byte and to the end), at each ``--concurrency`` (default 1 and 32).
@@ -33,6 +35,7 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,7 @@ from loadtest.bench_gateway import (
     PROFILE,
     Samples,
     large_body,
-    measure_async,
+    measure_interleaved,
     open_loop,
     small_body,
     with_stream,
@@ -174,38 +177,55 @@ async def max_rate(replica: str, url: str, pid: int, opts: Options, console: Con
             "steps": steps}
 
 
-async def target_rows(
-    target: str, replica: str, opts: Options, log_dir: Path, console: Console
-) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    head = {"target": target, "version": target_version(target)}
-    extra = SLOW_PROBES if kvgate_policy(target) is not None else ()
+async def measured_rows(
+    opened: Sequence[tuple[str, str, int]], replica: str, opts: Options, console: Console
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every case with the ``opened`` targets' rounds interleaved, then each one's
+    ``--max-rate`` search in turn; a failure ends that part with an error row."""
+    heads = {target: {"target": target, "version": target_version(target)} for target, _, _ in opened}
     rows: list[dict[str, Any]] = []
-    rate: dict[str, Any] | None = None
+    rates: list[dict[str, Any]] = []
+    gateways = [(url, pid) for _, url, pid in opened]
     try:
-        with open_target(target, [replica], log_dir, extra) as (url, pid):
-            for case, body in cases(opts):
-                console.print(f"overhead: {target}, {case.body} stream={case.stream} c={case.concurrency} x {case.n}")
-                s = await measure_async(replica, url, pid, body, case.n, case.concurrency)
-                rows.extend(case_rows(head, case, s, opts))
-            if opts.max_rate:
-                rate = {**head, **await max_rate(replica, url, pid, opts, console)}
+        for case, body in cases(opts):
+            console.print(f"overhead: {', '.join(heads)}, {case.body} stream={case.stream} c={case.concurrency} "
+                          f"x {case.n}")
+            samples = await measure_interleaved(replica, gateways, body, case.n, case.concurrency)
+            for (target, _, _), s in zip(opened, samples, strict=True):
+                rows.extend(case_rows(heads[target], case, s, opts))
     except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as e:
-        console.print(f"[red]{target} failed: {e}[/]")
-        rows.append({**head, "error": str(e)})
-    return rows, rate
+        console.print(f"[red]overhead failed: {e}[/]")
+        rows.extend({**head, "error": str(e)} for head in heads.values())
+    if opts.max_rate:
+        for target, url, pid in opened:
+            try:
+                rates.append({**heads[target], **await max_rate(replica, url, pid, opts, console)})
+            except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as e:
+                console.print(f"[red]{target} max rate failed: {e}[/]")
+                rows.append({**heads[target], "error": f"max rate: {e}"})
+    return rows, rates
 
 
 def overhead_rows(
     targets: Sequence[str], opts: Options, log_dir: Path, console: Console
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
-    rates: list[dict[str, Any]] = []
-    with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir) as fleet:
+    with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir) as fleet, ExitStack() as stack:
+        replica = fleet.urls[0]
+        opened: list[tuple[str, str, int]] = []
         for target in targets:
-            r, rate = asyncio.run(target_rows(target, fleet.urls[0], opts, log_dir, console))
-            rows.extend(r)
-            rates.extend([rate] if rate is not None else [])
-    return rows, rates
+            extra = SLOW_PROBES if kvgate_policy(target) is not None else ()
+            try:
+                url, pid = stack.enter_context(open_target(target, [replica], log_dir, extra))
+            except (RuntimeError, TimeoutError, OSError) as e:
+                console.print(f"[red]{target} failed to start: {e}[/]")
+                rows.append({"target": target, "version": target_version(target), "error": str(e)})
+                continue
+            opened.append((target, url, pid))
+        if not opened:
+            return rows, []
+        measured, rates = asyncio.run(measured_rows(opened, replica, opts, console))
+    return rows + measured, rates
 
 
 def _cell(e: dict[str, Any]) -> str:

@@ -74,19 +74,23 @@ def test_rows_state_counts_and_flag_p999() -> None:
     orjson.dumps(rows)  # JSON-ready
 
 
-def test_tiny_run_kvgate(tmp_path: Path) -> None:
+def test_tiny_run_two_kvgates_interleaved(tmp_path: Path) -> None:
+    """Two real gateway processes measured in one interleaved run: rows, counts, rates."""
     out = tmp_path / "overhead.json"
-    code = main(["--targets", "kvgate", "--small", "12", "--large", "4", "--kbs", "100",
+    code = main(["--targets", "kvgate,kvgate-round-robin", "--small", "12", "--large", "4", "--kbs", "100",
                  "--concurrency", "1,4", "--resamples", "50", "--max-rate", "--max-rate-start", "20",
                  "--max-rate-s", "0.5", "--max-rate-n", "10", "--max-rate-steps", "2", "--json", str(out)])
     doc = orjson.loads(out.read_bytes())
     rows = doc["overhead"]
     assert code == 0 and all("error" not in r for r in rows)
-    seen = {(r["body"], r["stream"], r["concurrency"], r["metric"]) for r in rows}
-    assert len(rows) == 12 and ("100KB", True, 4, "first byte") in seen
+    for target in ("kvgate", "kvgate-round-robin"):
+        mine = [r for r in rows if r["target"] == target]
+        seen = {(r["body"], r["stream"], r["concurrency"], r["metric"]) for r in mine}
+        assert len(mine) == 12 and ("100KB", True, 4, "first byte") in seen
     for r in rows:
         assert r["n"] >= (12 if r["body"] == "small" else 4) and r["cpu_ms_per_request"] >= 0
         assert not r["added_ms"]["p99"]["supported"]
-    (rate,) = doc["max_rate"]
-    assert rate["target"] == "kvgate" and 1 <= len(rate["steps"]) <= 2 and "n" in rate["steps"][0]
+    assert [rate["target"] for rate in doc["max_rate"]] == ["kvgate", "kvgate-round-robin"]
+    for rate in doc["max_rate"]:
+        assert 1 <= len(rate["steps"]) <= 2 and "n" in rate["steps"][0]
     assert doc["options"]["concurrency"] == [1, 4]
