@@ -7,7 +7,10 @@ round sends ``c`` concurrent requests straight to the replica, then ``c`` throug
 first router, then ``c`` direct again and ``c`` through the second, and so on, so a
 drift of the machine hits every router and its direct samples alike; a router's CPU
 (user + system from ``/proc/<pid>/stat``) is counted around its own rounds only (a
-router idle during the others' rounds spends only its probes, slowed for kvgate). Cases: a small chat body and
+router idle during the others' rounds spends only its probes, slowed for kvgate).
+Interleaved, each router also runs colder (its process waits while the others' rounds
+run), which costs an interpreter more than compiled code: ``--sequential`` measures each
+target alone, one after the other (the method before 2026-12-02), for comparison. Cases: a small chat body and
 ``--kbs`` KB agent-shaped ones (default 100 and 400), non-streaming (``max_tokens = 1``,
 time to the end of the body) and streaming (``max_tokens = --stream-tokens``, 8: time to the first body
 byte and to the end), at each ``--concurrency`` (default 1 and 32).
@@ -82,6 +85,7 @@ class Options:
     max_rate_steps: int = 12
     max_rate_p99_ms: float = 10.0
     stream_tokens: int = 8  # output tokens of a streamed case (one SSE chunk each)
+    sequential: bool = False  # each target's cases alone, one target after the other
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -222,10 +226,13 @@ def overhead_rows(
                 rows.append({"target": target, "version": target_version(target), "error": str(e)})
                 continue
             opened.append((target, url, pid))
-        if not opened:
-            return rows, []
-        measured, rates = asyncio.run(measured_rows(opened, replica, opts, console))
-    return rows + measured, rates
+        rates: list[dict[str, Any]] = []
+        groups = [[o] for o in opened] if opts.sequential else [opened] if opened else []
+        for group in groups:
+            measured, rated = asyncio.run(measured_rows(group, replica, opts, console))
+            rows.extend(measured)
+            rates.extend(rated)
+    return rows, rates
 
 
 def _cell(e: dict[str, Any]) -> str:
@@ -302,6 +309,9 @@ def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentG
     parser.add_argument("--max-rate-p99-ms", type=float, default=d.max_rate_p99_ms)
     parser.add_argument("--stream-tokens", type=int, default=d.stream_tokens,
                         help="output tokens (SSE chunks) per streamed request: the per-chunk relay cost")
+    parser.add_argument("--sequential", action="store_true",
+                        help="measure the targets one after the other (each with the replica alone) instead of "
+                             "interleaving their rounds")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -94,3 +94,14 @@ def test_tiny_run_two_kvgates_interleaved(tmp_path: Path) -> None:
     for rate in doc["max_rate"]:
         assert 1 <= len(rate["steps"]) <= 2 and "n" in rate["steps"][0]
     assert doc["options"]["concurrency"] == [1, 4]
+
+
+def test_tiny_run_sequential(tmp_path: Path) -> None:
+    """``--sequential``: each target measured alone, one after the other (two real gateways)."""
+    out = tmp_path / "overhead.json"
+    code = main(["--targets", "kvgate,kvgate-round-robin", "--sequential", "--small", "6", "--large", "2",
+                 "--kbs", "100", "--concurrency", "1", "--resamples", "20", "--json", str(out)])
+    doc = orjson.loads(out.read_bytes())
+    rows = doc["overhead"]
+    assert code == 0 and doc["options"]["sequential"] is True and doc["max_rate"] == []
+    assert [r["target"] for r in rows] == ["kvgate"] * 6 + ["kvgate-round-robin"] * 6
