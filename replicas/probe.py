@@ -1,6 +1,7 @@
 """HTTP calls to a replica, and parsers for what SGLang answers.
 
-Every function takes a ``Getter`` (one GET: status and body, within a timeout, the body
+Every function takes a ``Getter`` (one GET: status and body; the connection and each read
+within the probe timeout, the whole GET within ``PROBE_TOTAL_FACTOR`` of them, the body
 bounded by ``MAX_PROBE_BODY_BYTES``) and never raises for an unreachable or misbehaving
 replica: it returns a result the registry can act on. ``AiohttpGetter`` is the gateway's
 (its own aiohttp session: about a quarter of httpx's CPU per GET here, 0.20 vs 0.79 ms,
@@ -82,6 +83,7 @@ class ProbeResult:
 
 
 MAX_PROBE_BODY_BYTES = 4 * 1024 * 1024  # /server_info of a large replica is a few KB
+PROBE_TOTAL_FACTOR = 4  # a GET may take this many probe timeouts in all (each step: one)
 
 
 class ProbeTimedOut(Exception):
@@ -108,13 +110,14 @@ class HttpxGetter:
 
     async def __call__(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         try:
-            async with self._client.stream("GET", url, timeout=timeout_s) as r:
+            async with (asyncio.timeout(PROBE_TOTAL_FACTOR * timeout_s),
+                        self._client.stream("GET", url, timeout=timeout_s) as r):
                 body = bytearray()
                 async for chunk in r.aiter_bytes():
                     body += chunk
                     _bounded(body)
                 return r.status_code, bytes(body)
-        except httpx.TimeoutException as e:
+        except (httpx.TimeoutException, TimeoutError) as e:
             raise ProbeTimedOut(f"{type(e).__name__}: {e}") from e
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
             raise ProbeFailed(f"{type(e).__name__}: {e}") from e
@@ -138,15 +141,19 @@ class AiohttpGetter:
             self._session = aiohttp.ClientSession(connector=connector, trust_env=False,
                                                   cookie_jar=aiohttp.DummyCookieJar(),
                                                   skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        # as httpx's Timeout(t): the connection (pool wait included) and every read within
+        # t; and the whole GET within PROBE_TOTAL_FACTOR x t (a replica trickling bytes)
+        per_step = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
         try:
-            async with asyncio.timeout(timeout_s), self._session.get(url, allow_redirects=False) as r:
+            async with (asyncio.timeout(PROBE_TOTAL_FACTOR * timeout_s),
+                        self._session.get(url, allow_redirects=False, timeout=per_step) as r):
                 body = bytearray()
                 async for chunk in r.content.iter_any():
                     body += chunk
                     _bounded(body)
                 return r.status, bytes(body)
         except TimeoutError as e:
-            raise ProbeTimedOut(f"no answer in {timeout_s:g} s") from e
+            raise ProbeTimedOut(f"{type(e).__name__}: no answer within {timeout_s:g} s") from e
         except (aiohttp.ClientError, ValueError) as e:
             raise ProbeFailed(f"{type(e).__name__}: {e}") from e
 

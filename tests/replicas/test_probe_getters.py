@@ -30,6 +30,15 @@ async def _handler(request: web.Request) -> web.StreamResponse:
         for _ in range(BIG // 65536 + 1):
             await response.write(b"x" * 65536)
         return response
+    if path.startswith("/trickle/"):  # /trickle/<chunks>/<ms>: the head at once, then the chunks
+        _, _, chunks, ms = path.split("/")
+        gap_s = int(ms) / 1000
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(int(chunks)):
+            await asyncio.sleep(gap_s)
+            await response.write(b"x")
+        return response
     if path == "/broken":
         return web.Response(status=200, text="{not json", content_type="application/json")
     return web.Response(status=404)
@@ -93,5 +102,20 @@ async def test_bounds_and_failures(server: str, make: Callable[[], probe.Getter]
         assert again.event is HealthEvent.PROBE_OK  # the getter still works after failures
         slow = await probe.probe_readiness(get, server + "/slow", probe.ReadyPath.READY, 0.2)
         assert slow.event is HealthEvent.PROBE_FAILED and slow.timed_out
+    finally:
+        await get.close()
+
+
+@GETTERS
+async def test_each_step_within_the_timeout_and_the_whole_within_its_multiple(
+        server: str, make: Callable[[], probe.Getter]) -> None:
+    """As httpx's timeout: connect and every read within t, so a body whose chunks each come
+    within t passes though the whole takes longer (4 x 0.15 s > t = 0.25 s); and the whole
+    GET within PROBE_TOTAL_FACTOR x t (10 x 0.1 s > 4 x 0.15 s, every gap within t)."""
+    get = make()
+    try:
+        assert await get(server + "/trickle/4/150", 0.25) == (200, b"xxxx")
+        with pytest.raises(probe.ProbeTimedOut):
+            await get(server + "/trickle/10/100", 0.15)
     finally:
         await get.close()
