@@ -136,11 +136,14 @@ def test_hung_replica_is_routed_around_and_no_request_is_lost(tmp_path: Path) ->
 
             results, stopped_s = asyncio.run(asyncio.wait_for(load(), 60.0))
             view = gw.replicas()[victim]
+            # for a failure's message: why a request was not retried (budget, ejections)
+            seen = {"budget_exhausted": _metric(gw, "\nkvgate_retry_budget_exhausted_total"),
+                    "replicas": {u: (v["state"], v["ejected"]) for u, v in gw.replicas().items()}}
         finally:
             fleet.procs[0].signal(signal.SIGCONT)
             gw.proc.stop()
     lost = [r for r in results if not r.complete]
-    assert all(r.first_s is not None and r.started_s < stopped_s for r in lost), lost  # only ones under way
+    assert all(r.first_s is not None and r.started_s < stopped_s for r in lost), (lost, seen)  # only ones under way
     assert len(lost) <= 6
     assert view["ejected"] or view["state"] == "unhealthy", view
     late = [r for r in results if r.started_s > stopped_s + 3.0]
