@@ -31,7 +31,6 @@ import gc
 import os
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -43,6 +42,7 @@ import numpy as np
 import redis
 
 from loadtest.percentile import percentile
+from loadtest.simulator.fleet import free_port
 from policies.base import RequestContext, RoutingInputs, SessionKeys
 from policies.registry import make_policy
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
@@ -181,13 +181,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _redis_cpu(client: redis.Redis) -> float:
     """Redis server CPU seconds so far (user + sys, from INFO cpu)."""
     cpu = client.info("cpu")
@@ -202,8 +195,6 @@ def embedded_index(backend: str) -> PrefixIndex:
     if backend not in EMBEDDED:
         raise ValueError(f"not an embedded backend: {backend!r}")
     return make_index(IndexConfig.model_validate({"backend": backend}))
-
-
 
 
 def policy_decider(w: IndexWorkload) -> Decide:
@@ -450,7 +441,7 @@ def _with_redis(url: str | None, fn: Any) -> dict[str, dict[str, float]]:
         redis.Redis.from_url(url).flushdb()
         result: dict[str, dict[str, float]] = fn(url)
         return result
-    tmp, port = tempfile.mkdtemp(prefix="kvgate-bench-redis-"), _free_port()
+    tmp, port = tempfile.mkdtemp(prefix="kvgate-bench-redis-"), free_port()
     server = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -112,11 +112,7 @@ class HttpxGetter:
         try:
             async with (asyncio.timeout(PROBE_TOTAL_FACTOR * timeout_s),
                         self._client.stream("GET", url, timeout=timeout_s) as r):
-                body = bytearray()
-                async for chunk in r.aiter_bytes():
-                    body += chunk
-                    _bounded(body)
-                return r.status_code, bytes(body)
+                return r.status_code, await _bounded_body(r.aiter_bytes())
         except (httpx.TimeoutException, TimeoutError) as e:
             raise ProbeTimedOut(f"{type(e).__name__}: {e}") from e
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
@@ -147,11 +143,7 @@ class AiohttpGetter:
         try:
             async with (asyncio.timeout(PROBE_TOTAL_FACTOR * timeout_s),
                         self._session.get(url, allow_redirects=False, timeout=per_step) as r):
-                body = bytearray()
-                async for chunk in r.content.iter_any():
-                    body += chunk
-                    _bounded(body)
-                return r.status, bytes(body)
+                return r.status, await _bounded_body(r.content.iter_any())
         except TimeoutError as e:
             raise ProbeTimedOut(f"{type(e).__name__}: no answer within {timeout_s:g} s") from e
         except (aiohttp.ClientError, ValueError) as e:
@@ -163,9 +155,14 @@ class AiohttpGetter:
             self._session = None
 
 
-def _bounded(body: bytearray) -> None:
-    if len(body) > MAX_PROBE_BODY_BYTES:
-        raise ProbeFailed(f"answer over {MAX_PROBE_BODY_BYTES} bytes")
+async def _bounded_body(chunks: AsyncIterator[bytes]) -> bytes:
+    """The whole body, or ProbeFailed once it passes ``MAX_PROBE_BODY_BYTES``."""
+    body = bytearray()
+    async for chunk in chunks:
+        body += chunk
+        if len(body) > MAX_PROBE_BODY_BYTES:
+            raise ProbeFailed(f"answer over {MAX_PROBE_BODY_BYTES} bytes")
+    return bytes(body)
 
 
 async def probe_readiness(get: Getter, url: str, path: ReadyPath, timeout_s: float) -> ProbeResult:

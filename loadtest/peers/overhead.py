@@ -181,12 +181,19 @@ async def max_rate(replica: str, url: str, pid: int, opts: Options, console: Con
             "steps": steps}
 
 
+MEASURE_ERRORS = (RuntimeError, TimeoutError, OSError, aiohttp.ClientError)  # a target failing mid-measure
+
+
+def _head(target: str) -> dict[str, Any]:
+    return {"target": target, "version": target_version(target)}
+
+
 async def measured_rows(
     opened: Sequence[tuple[str, str, int]], replica: str, opts: Options, console: Console
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every case with the ``opened`` targets' rounds interleaved, then each one's
     ``--max-rate`` search in turn; a failure ends that part with an error row."""
-    heads = {target: {"target": target, "version": target_version(target)} for target, _, _ in opened}
+    heads = {target: _head(target) for target, _, _ in opened}
     rows: list[dict[str, Any]] = []
     rates: list[dict[str, Any]] = []
     gateways = [(url, pid) for _, url, pid in opened]
@@ -197,14 +204,14 @@ async def measured_rows(
             samples = await measure_interleaved(replica, gateways, body, case.n, case.concurrency)
             for (target, _, _), s in zip(opened, samples, strict=True):
                 rows.extend(case_rows(heads[target], case, s, opts))
-    except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as e:
+    except MEASURE_ERRORS as e:
         console.print(f"[red]overhead failed: {e}[/]")
         rows.extend({**head, "error": str(e)} for head in heads.values())
     if opts.max_rate:
         for target, url, pid in opened:
             try:
                 rates.append({**heads[target], **await max_rate(replica, url, pid, opts, console)})
-            except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as e:
+            except MEASURE_ERRORS as e:
                 console.print(f"[red]{target} max rate failed: {e}[/]")
                 rows.append({**heads[target], "error": f"max rate: {e}"})
     return rows, rates
@@ -223,7 +230,7 @@ def overhead_rows(
                 url, pid = stack.enter_context(open_target(target, [replica], log_dir, extra))
             except (RuntimeError, TimeoutError, OSError) as e:
                 console.print(f"[red]{target} failed to start: {e}[/]")
-                rows.append({"target": target, "version": target_version(target), "error": str(e)})
+                rows.append({**_head(target), "error": str(e)})
                 continue
             opened.append((target, url, pid))
         rates: list[dict[str, Any]] = []

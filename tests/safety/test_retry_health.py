@@ -135,10 +135,11 @@ def test_hung_replica_is_routed_around_and_no_request_is_lost(tmp_path: Path) ->
                     return [r for t in tasks for r in await t], stopped_s
 
             results, stopped_s = asyncio.run(asyncio.wait_for(load(), 60.0))
-            view = gw.replicas()[victim]
+            replicas = gw.replicas()
+            view = replicas[victim]
             # for a failure's message: why a request was not retried (budget, ejections)
             seen = {"budget_exhausted": _metric(gw, "\nkvgate_retry_budget_exhausted_total"),
-                    "replicas": {u: (v["state"], v["ejected"]) for u, v in gw.replicas().items()}}
+                    "replicas": {u: (v["state"], v["ejected"]) for u, v in replicas.items()}}
         finally:
             fleet.procs[0].signal(signal.SIGCONT)
             gw.proc.stop()
