@@ -7,11 +7,18 @@ first come, first served, so without admission C's first token comes after B's w
 prefill. With admission (a budget of 16 tokens: one request at a time) both wait in the
 gateway while A prefills and C, the smaller, is released first. The test compares the
 order of first tokens (not their times) with admission on and off.
+
+Each request is sent only once the one before it has been seen where it waits (the
+replica's /v1/loads counts it, or the gateway's ``kvgate_admission_held`` does), not after
+a fixed sleep: on a loaded machine B could otherwise reach the replica after C (CI run of
+stop 21: ``['A', 'C', 'B']`` without admission).
 """
 from __future__ import annotations
 
 import asyncio
 import random
+import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import openai
@@ -37,18 +44,40 @@ async def _first_token(oa: openai.AsyncOpenAI, name: str, text: str, order: list
         pass
 
 
-async def _race(gw: Gateway, seed: int) -> list[str]:
+async def _until(what: str, seen: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await seen():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not seen within {timeout_s} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _race(gw: Gateway, replica: str, seed: int) -> list[str]:
     oa = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
     order: list[str] = []
-    try:
-        a = asyncio.create_task(_first_token(oa, "A", _prompt(seed, 2_400), order))
-        await asyncio.sleep(0.3)  # A is prefilling
-        b = asyncio.create_task(_first_token(oa, "B", _prompt(seed + 1, 2_400), order))
-        await asyncio.sleep(0.2)  # B is queued (at the replica, or held by the gateway)
-        c = asyncio.create_task(_first_token(oa, "C", _prompt(seed + 2, 40), order))
-        await asyncio.wait_for(asyncio.gather(a, b, c), 60)
-    finally:
-        await oa.close()
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        async def at_replica() -> int:
+            load = (await http.get(replica + "/v1/loads")).json()["loads"][0]
+            return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
+
+        async def held() -> float:
+            text = (await http.get(gw.url + "/metrics")).text
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("kvgate_admission_held{"))
+
+        async def waiting(n: int) -> bool:  # n requests at the replica or held by the gateway
+            return await at_replica() + await held() >= n
+
+        try:
+            a = asyncio.create_task(_first_token(oa, "A", _prompt(seed, 2_400), order))
+            await _until("A at the replica", lambda: waiting(1))
+            b = asyncio.create_task(_first_token(oa, "B", _prompt(seed + 1, 2_400), order))
+            await _until("B queued at the replica or held by the gateway", lambda: waiting(2))
+            assert order == [], "A's prefill ended before C was sent: the race did not happen"
+            c = asyncio.create_task(_first_token(oa, "C", _prompt(seed + 2, 40), order))
+            await asyncio.wait_for(asyncio.gather(a, b, c), 60)
+        finally:
+            await oa.close()
     return order
 
 
@@ -62,9 +91,9 @@ def test_a_short_turn_overtakes_a_cold_one_only_with_admission(make_gateway: Gat
     with SimFleet(1, profile="tiny", time_scale=0.25, seed=5, log_dir=tmp_path) as fleet:
         fifo = make_gateway(fleet.urls, "--set", "admission.enabled=false")
         try:
-            assert asyncio.run(_race(fifo, 1)) == ["A", "B", "C"]
+            assert asyncio.run(_race(fifo, fleet.urls[0], 1)) == ["A", "B", "C"]
         finally:
             fifo.proc.stop()
         gated = make_gateway(fleet.urls, "--set", "admission.budget_tokens=16")
-        assert asyncio.run(_race(gated, 11)) == ["A", "C", "B"]
+        assert asyncio.run(_race(gated, fleet.urls[0], 11)) == ["A", "C", "B"]
         assert _waits(gated) >= 2  # B and C were held, and released by the budget
