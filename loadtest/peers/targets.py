@@ -6,6 +6,9 @@ Shared by the load comparison (``loadtest/bench_peers.py``) and the overhead mea
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -13,14 +16,19 @@ from rich.console import Console
 
 from loadtest.demo import GatewayProcess
 from loadtest.peers.run import INSTALL_HINT, PEERS, ROOT, install_peers, missing_peers, running_peer
+from loadtest.simulator.fleet import free_port, wait_http
+
+PYTHON_FLOOR = "python-floor"  # loadtest/peers/python_floor.py: a pass-through proxy, the overhead bench only
+PYTHON_FLOOR_GRANIAN = "python-floor-granian"  # the same app on Granian (pip install granian)
+FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN)
 
 
 def parse_targets(text: str) -> list[str]:
     targets = [t.strip() for t in text.split(",") if t.strip()]
     for t in targets:
-        if t not in PEERS and t != "kvgate" and not t.startswith("kvgate-"):
+        if t not in PEERS and t not in ("kvgate", *FLOORS) and not t.startswith("kvgate-"):
             raise ValueError(
-                f"unknown target {t!r}: kvgate, kvgate-<policy> or one of {', '.join(PEERS)}"
+                f"unknown target {t!r}: kvgate, kvgate-<policy>, {', '.join(FLOORS)} or one of {', '.join(PEERS)}"
             )
     return targets
 
@@ -38,7 +46,10 @@ def open_target(
 ) -> Iterator[tuple[str, int]]:
     """Start ``target`` in front of ``workers``; yields its (base URL, pid)."""
     policy = kvgate_policy(target)
-    if policy is not None:
+    if target in FLOORS:
+        with _python_floor(target, workers, log_dir) as opened:
+            yield opened
+    elif policy is not None:
         with GatewayProcess(policy, workers, gateway_args, log_dir=log_dir) as gw:
             assert gw.proc is not None
             yield gw.url, gw.proc.pid
@@ -47,7 +58,46 @@ def open_target(
             yield peer.url, peer.pid
 
 
+@contextlib.contextmanager
+def _python_floor(target: str, workers: Sequence[str], log_dir: Path) -> Iterator[tuple[str, int]]:
+    if len(workers) != 1:
+        raise ValueError(f"{target} forwards to one replica, not {len(workers)}")
+    port = free_port()
+    if target == PYTHON_FLOOR:
+        cmd = ["-m", "loadtest.peers.python_floor", "--port", str(port), "--replica", workers[0]]
+    else:
+        cmd = ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--loop",
+               "uvloop", "--http", "1", "--no-ws", "--log-level", "warning", "--factory",
+               "loadtest.peers.python_floor:from_env"]
+    with open(log_dir / f"{target}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, *cmd], stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                env={**os.environ, "KVGATE_FLOOR_REPLICA": workers[0]})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", 30.0, proc)
+        # Granian serves from one worker process under a supervisor: its CPU is the worker's
+        yield url, proc.pid if target == PYTHON_FLOOR else _only_child(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _only_child(pid: int) -> int:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    if len(children) != 1:
+        raise RuntimeError(f"expected one worker process under {pid}, found {children}")
+    return int(children[0])
+
+
 def target_version(target: str) -> str:
+    if target == PYTHON_FLOOR:
+        return "pass-through (uvicorn+aiohttp)"
+    if target == PYTHON_FLOOR_GRANIAN:
+        return "pass-through (granian+aiohttp)"
     policy = kvgate_policy(target)
     return f"kvgate {policy}" if policy is not None else PEERS[target].version
 

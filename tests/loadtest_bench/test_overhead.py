@@ -3,9 +3,11 @@ one tiny end-to-end run against a simulated replica and kvgate only."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 import orjson
+import pytest
 from rich.console import Console
 
 from loadtest.bench_gateway import Samples
@@ -19,6 +21,7 @@ from loadtest.peers.overhead import (
     max_rate_table,
     overhead_table,
 )
+from loadtest.peers.targets import open_target
 
 
 def _samples(n: int) -> Samples:
@@ -105,3 +108,28 @@ def test_tiny_run_sequential(tmp_path: Path) -> None:
     rows = doc["overhead"]
     assert code == 0 and doc["options"]["sequential"] is True and doc["max_rate"] == []
     assert [r["target"] for r in rows] == ["kvgate"] * 6 + ["kvgate-round-robin"] * 6
+
+
+def test_tiny_run_beside_the_python_floor(tmp_path: Path) -> None:
+    """The pass-through proxy (``python-floor``) measured beside kvgate, and the Granian
+    variant: measured when Granian is installed, else one error row naming why."""
+    out = tmp_path / "overhead.json"
+    code = main(["--targets", "kvgate,python-floor,python-floor-granian", "--small", "6", "--large", "2",
+                 "--kbs", "100", "--concurrency", "1", "--resamples", "20", "--json", str(out)])
+    rows = orjson.loads(out.read_bytes())["overhead"]
+    has_granian = importlib.util.find_spec("granian") is not None
+    assert code == (0 if has_granian else 1)  # a target that failed to start fails the run
+    floor = [r for r in rows if r["target"] == "python-floor"]
+    assert len(floor) == 6 and all("error" not in r and r["n"] >= 2 for r in floor)
+    assert floor[0]["version"] == "pass-through (uvicorn+aiohttp)"
+    granian = [r for r in rows if r["target"] == "python-floor-granian"]
+    if has_granian:
+        assert len(granian) == 6 and all("error" not in r for r in granian)
+    else:
+        assert len(granian) == 1 and "granian" in granian[0]["error"]
+
+
+def test_the_floor_forwards_to_one_replica_only(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="one replica"), \
+            open_target("python-floor", ["http://127.0.0.1:9", "http://127.0.0.1:10"], tmp_path):
+        pass

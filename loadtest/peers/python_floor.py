@@ -1,0 +1,104 @@
+"""The floor of a Python HTTP gateway: a pass-through proxy, measured beside kvgate.
+
+`kvgate bench peers --overhead` can run this as its target ``python-floor``: uvicorn on
+uvloop with httptools (kvgate's server stack), a bare ASGI app and one ``aiohttp``
+session (kvgate's client), forwarding every POST's body to the one replica and relaying
+the answer chunk by chunk. No parsing, no routing, no index, no safety (no deadlines, no
+body cap, no retries): the cost that remains when a Python gateway does nothing but pass
+bytes. The difference between kvgate and this row is what kvgate's own work costs; the
+difference between this row and a compiled router is what the server and client stack
+cost, which no change inside kvgate's Python can remove.
+
+Not a product: it exists only to be measured.
+
+``python-floor-granian`` (target) serves the same app with Granian, a Rust HTTP server
+(ASGI interface, uvloop, HTTP/1 only), in place of uvicorn: what a compiled server under
+the same Python app and client saves. Granian is not a kvgate dependency: ``pip install
+granian`` first (the target fails to start without it).
+
+    python -m loadtest.peers.python_floor --port 31900 --replica http://127.0.0.1:31001
+    KVGATE_FLOOR_REPLICA=http://127.0.0.1:31001 granian --interface asgi --port 31900 \
+        --loop uvloop --http 1 --no-ws --factory loadtest.peers.python_floor:from_env
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+
+import aiohttp
+import uvicorn
+from multidict import CIMultiDict
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+HOP = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})
+
+
+class PassThrough:
+    """An ASGI app: ``/health`` answers itself; every other request goes to the replica."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica.rstrip("/")
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        assert self.session is not None
+        headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1"))
+                              for k, v in scope["headers"] if k not in HOP)
+        async with self.session.request(scope["method"], self.replica + scope["path"], data=body,
+                                        headers=headers) as answer:
+            await send({"type": "http.response.start", "status": answer.status,
+                        "headers": [(k, v) for k, v in answer.raw_headers if k.lower() not in HOP]})
+            async for chunk in answer.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=256), cookie_jar=aiohttp.DummyCookieJar(),
+                    auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+                    trust_env=False)
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.session is not None:
+                    await self.session.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def from_env() -> PassThrough:
+    """The app for a server that imports it (Granian): the replica from ``KVGATE_FLOOR_REPLICA``."""
+    return PassThrough(os.environ["KVGATE_FLOOR_REPLICA"])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--replica", required=True)
+    args = parser.parse_args(argv)
+    uvicorn.run(PassThrough(args.replica), host=args.host, port=args.port, loop="uvloop", http="httptools",
+                ws="none", log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()
