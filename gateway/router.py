@@ -124,8 +124,9 @@ class Router:
     async def snapshot(self, ctx: RequestContext) -> RoutingInputs:
         """Everything the policy reads, taken once per request.
 
-        The index reads run concurrently (one round-trip wait on a remote backend instead
-        of four); the fleet's resident working set changes slowly and is cached for
+        On a remote backend (``concurrent_reads``) the index reads run concurrently (one
+        round-trip wait instead of four); in-process ones are awaited in turn, since a task
+        for each costs more than the read. The fleet's resident working set changes slowly and is cached for
         ``RESIDENT_CACHE_S`` (kept current by ``routed``). The replica views are read
         LAST, after every await: from there to the load lease nothing yields to the event
         loop, so concurrent requests each see the load of the decisions made before them
@@ -136,14 +137,17 @@ class Router:
         empty: dict[ReplicaId, PrefixMatch] = {}
         core = self.core
         fresh = core.resident_fresh(now_s)
-        matches, session, parent, resident = await asyncio.gather(
-            self._guarded("match", self.index.match(ctx.block_hashes, ids), empty)
-            if ctx.block_hashes and ids else _value(empty),
-            self._session(ctx.session.session),
-            self._session(ctx.session.parent),
-            _value(fresh) if fresh is not None else self._guarded(
-                "resident_tokens", self.index.resident_tokens(now_s, core.resident_window_s), {}),
-        )
+        match_read = self._guarded("match", self.index.match(ctx.block_hashes, ids), empty) \
+            if ctx.block_hashes and ids else _value(empty)
+        session_read, parent_read = self._session(ctx.session.session), self._session(ctx.session.parent)
+        resident_read = _value(fresh) if fresh is not None else self._guarded(
+            "resident_tokens", self.index.resident_tokens(now_s, core.resident_window_s), {})
+        if self.index.concurrent_reads:
+            matches, session, parent, resident = await asyncio.gather(
+                match_read, session_read, parent_read, resident_read)
+        else:  # in-process reads finish without waiting: no task for each
+            matches, session, parent, resident = \
+                await match_read, await session_read, await parent_read, await resident_read
         if fresh is None:
             core.store_resident(now_s, resident)
         merged = self._precise_matches(ctx, ids, matches) if self.precise is not None else matches

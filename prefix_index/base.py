@@ -79,6 +79,10 @@ class IndexStats:
 class PrefixIndex(Protocol):
     """One interface, two backends; one contract test suite runs against both."""
 
+    #: True when reads wait on the network (Redis): callers then run independent reads
+    #: concurrently. In-process backends answer without waiting (False).
+    concurrent_reads: bool
+
     async def match(
         self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]
     ) -> dict[ReplicaId, PrefixMatch]:

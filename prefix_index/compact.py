@@ -59,6 +59,8 @@ class _Replica:
 class CompactPrefixIndex(SessionMethods):
     """The compact embedded backend. Implements ``prefix_index.base.PrefixIndex``."""
 
+    concurrent_reads = False  # in-process: every read answers without waiting
+
     def __init__(
         self,
         session_ttl_s: float = 3600.0,

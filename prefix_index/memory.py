@@ -107,6 +107,8 @@ def _run(hashes: Sequence[BlockHash], lo: int, hi: int, present: Callable[[Block
 class MemoryPrefixIndex(SessionMethods):
     """The embedded backend (default). Implements ``prefix_index.base.PrefixIndex``."""
 
+    concurrent_reads = False  # in-process: every read answers without waiting
+
     def __init__(
         self,
         session_ttl_s: float = 3600.0,

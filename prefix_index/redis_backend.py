@@ -96,6 +96,8 @@ class RedisPrefixIndex:
     reached Redis (write-behind: dropped at the queue bound or failed).
     """
 
+    concurrent_reads = True  # reads are round trips to Redis
+
     def __init__(self, config: IndexConfig, client: Redis | None = None) -> None:
         if client is None:
             if not config.redis_url:
