@@ -180,7 +180,8 @@ class Gateway:
         except GatewayError as exc:
             return self._answered(endpoint, error_response(exc, route_headers("none", PINNED), endpoint), started_s)
         client = request.client.host if request.client is not None else None
-        out_headers = upstream_headers(headers.raw, self.header_policy, client, request.url.scheme)
+        # the scope's scheme, not request.url.scheme: building the URL object costs ~6 us a request
+        out_headers = upstream_headers(headers.raw, self.header_policy, client, request.scope.get("scheme", "http"))
         response = await self._until_client_leaves(
             request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s, pin))
         if response is not None and endpoint == "responses":
