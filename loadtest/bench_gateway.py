@@ -44,7 +44,8 @@ import orjson
 from loadtest.bench_hashing import make_body
 from loadtest.bench_simulator import process_cpu_s
 from loadtest.percentile import percentile
-from loadtest.simulator.fleet import SimFleet, free_port, wait_healthy
+from loadtest.simulator.fleet import SimFleet, wait_healthy
+from loadtest.simulator.ports import free_port
 
 PROFILE = "kimi-k2.6-b200-tp8"
 MODEL = "kimi-k2.6"

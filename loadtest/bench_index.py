@@ -42,7 +42,7 @@ import numpy as np
 import redis
 
 from loadtest.percentile import percentile
-from loadtest.simulator.fleet import free_port
+from loadtest.simulator.ports import free_port
 from policies.base import RequestContext, RoutingInputs, SessionKeys
 from policies.registry import make_policy
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry

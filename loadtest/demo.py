@@ -42,7 +42,8 @@ from loadtest import charts, results, synthetic, traces
 from loadtest.driver import DriverConfig
 from loadtest.report import run_with_progress, summary_table
 from loadtest.results import RunResult
-from loadtest.simulator.fleet import SimFleet, free_port
+from loadtest.simulator.fleet import SimFleet
+from loadtest.simulator.ports import free_port
 from loadtest.workload import Session, Workload
 
 ROOT = Path(__file__).resolve().parents[1]

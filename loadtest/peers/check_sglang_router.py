@@ -24,7 +24,8 @@ import orjson
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from loadtest.simulator.fleet import SimFleet, free_port, wait_http
+from loadtest.simulator.fleet import SimFleet, wait_http
+from loadtest.simulator.ports import free_port
 
 LOOPBACK_ENV = {"HF_ENDPOINT": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
                 "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost"}

@@ -41,7 +41,7 @@ from typing import IO, Any
 
 import httpx
 
-from loadtest.simulator.fleet import free_port
+from loadtest.simulator.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_HINT = "bash loadtest/peers/install.sh"

@@ -16,7 +16,8 @@ from rich.console import Console
 
 from loadtest.demo import GatewayProcess
 from loadtest.peers.run import INSTALL_HINT, PEERS, ROOT, install_peers, missing_peers, running_peer
-from loadtest.simulator.fleet import free_port, wait_http
+from loadtest.simulator.fleet import wait_http
+from loadtest.simulator.ports import free_port
 
 PYTHON_FLOOR = "python-floor"  # loadtest/peers/python_floor.py: a pass-through proxy, the overhead bench only
 PYTHON_FLOOR_GRANIAN = "python-floor-granian"  # the same app on Granian (pip install granian)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,14 +24,9 @@ from typing import IO, Self
 
 import httpx
 
+from loadtest.simulator.ports import free_port
+
 HOST = "127.0.0.1"
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,

@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import socket
 import struct
 import time
 from collections import deque
@@ -53,6 +52,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from loadtest.simulator.ports import free_port
 from replicas.kv_events import (
     REPLAY_END,
     WILDCARD_HOSTS,
@@ -131,13 +131,6 @@ def local_endpoint(endpoint: str, host: str) -> str:
     return f"tcp://{host}:{tcp[1]}"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def with_free_ports(config: KvEventsConfig, host: str) -> KvEventsConfig:
     """A simulator extension: port 0 in ``endpoint`` / ``replay_endpoint`` becomes a free
     port of ``host`` (so N replicas can share one flag; /server_info advertises the ports)."""
@@ -145,7 +138,7 @@ def with_free_ports(config: KvEventsConfig, host: str) -> KvEventsConfig:
         tcp = _split_tcp(endpoint) if endpoint else None
         if endpoint is None or tcp is None or tcp[1] != 0:
             return endpoint
-        return f"tcp://{tcp[0]}:{_free_port(host)}"
+        return f"tcp://{tcp[0]}:{free_port(host)}"
 
     return dataclasses.replace(config, endpoint=fix(config.endpoint) or config.endpoint,
                                replay_endpoint=fix(config.replay_endpoint))

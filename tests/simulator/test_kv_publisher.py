@@ -26,8 +26,9 @@ import zmq.asyncio
 
 from gateway.sglang_pages import page_hashes
 from loadtest.simulator import tokenizer
-from loadtest.simulator.fleet import SimFleet, free_port
+from loadtest.simulator.fleet import SimFleet
 from loadtest.simulator.kv_publisher import KvEventsConfig, descriptor
+from loadtest.simulator.ports import free_port
 from prefix_index.base import ReplicaId
 from prefix_index.precise import EventBlockIndex
 from replicas.kv_events import (

@@ -13,7 +13,8 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from loadtest.simulator.fleet import free_port, wait_healthy
+from loadtest.simulator.fleet import wait_healthy
+from loadtest.simulator.ports import free_port
 
 HEADERS = {"content-type": "application/json"}
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a haiku about caches."}]

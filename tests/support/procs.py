@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,11 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.simulator.ports import free_port
+
+__all__ = ["Proc", "free_port", "kvgate_cmd", "running", "wait_http"]  # free_port: the one helper, re-exported
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_http(url: str, timeout_s: float = 20.0, ok: Sequence[int] = (200,),

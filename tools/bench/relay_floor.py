@@ -140,7 +140,8 @@ def main() -> int:
     from loadtest.demo import GatewayProcess
     from loadtest.peers.overhead import SLOW_PROBES
     from loadtest.peers.run import missing_peers, running_peer
-    from loadtest.simulator.fleet import SimFleet, free_port, wait_healthy
+    from loadtest.simulator.fleet import SimFleet, wait_healthy
+    from loadtest.simulator.ports import free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-relay-floor-"))
     rows = []
