@@ -193,27 +193,27 @@ async def measured_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every case with the ``opened`` targets' rounds interleaved, then each one's
     ``--max-rate`` search in turn; a failure ends that part with an error row."""
-    heads = {target: _head(target) for target, _, _ in opened}
+    heads = [_head(target) for target, _, _ in opened]  # one per opened target, repeated names too
     rows: list[dict[str, Any]] = []
     rates: list[dict[str, Any]] = []
     gateways = [(url, pid) for _, url, pid in opened]
     try:
         for case, body in cases(opts):
-            console.print(f"overhead: {', '.join(heads)}, {case.body} stream={case.stream} c={case.concurrency} "
-                          f"x {case.n}")
+            console.print(f"overhead: {', '.join(h['target'] for h in heads)}, {case.body} stream={case.stream} "
+                          f"c={case.concurrency} x {case.n}")
             samples = await measure_interleaved(replica, gateways, body, case.n, case.concurrency)
-            for (target, _, _), s in zip(opened, samples, strict=True):
-                rows.extend(case_rows(heads[target], case, s, opts))
+            for head, s in zip(heads, samples, strict=True):
+                rows.extend(case_rows(head, case, s, opts))
     except MEASURE_ERRORS as e:
         console.print(f"[red]overhead failed: {e}[/]")
-        rows.extend({**head, "error": str(e)} for head in heads.values())
+        rows.extend({**head, "error": str(e)} for head in heads)
     if opts.max_rate:
-        for target, url, pid in opened:
+        for head, (target, url, pid) in zip(heads, opened, strict=True):
             try:
-                rates.append({**heads[target], **await max_rate(replica, url, pid, opts, console)})
+                rates.append({**head, **await max_rate(replica, url, pid, opts, console)})
             except MEASURE_ERRORS as e:
                 console.print(f"[red]{target} max rate failed: {e}[/]")
-                rows.append({**heads[target], "error": f"max rate: {e}"})
+                rows.append({**head, "error": f"max rate: {e}"})
     return rows, rates
 
 

@@ -3,7 +3,9 @@ one tiny end-to-end run against a simulated replica and kvgate only."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
+import os
 from pathlib import Path
 
 import orjson
@@ -19,9 +21,11 @@ from loadtest.peers.overhead import (
     cases,
     main,
     max_rate_table,
+    measured_rows,
     overhead_table,
 )
 from loadtest.peers.targets import open_target
+from loadtest.simulator.ports import free_port
 
 
 def _samples(n: int) -> Samples:
@@ -133,3 +137,14 @@ def test_the_floor_forwards_to_one_replica_only(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="one replica"), \
             open_target("python-floor", ["http://127.0.0.1:9", "http://127.0.0.1:10"], tmp_path):
         pass
+
+
+def test_a_failing_target_named_twice_gets_two_error_rows() -> None:
+    """Rows follow the opened targets, not their names: two targets of one name that fail
+    (nothing listens on their port) give one error row each."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    opts = Options(small=2, large=1, kbs=(), concurrency=(1,))
+    rows, rates = asyncio.run(measured_rows([("kvgate", dead, os.getpid()), ("kvgate", dead, os.getpid())],
+                                            dead, opts, Console(record=True)))
+    assert [r["target"] for r in rows] == ["kvgate", "kvgate"] and all("error" in r for r in rows)
+    assert rates == []
