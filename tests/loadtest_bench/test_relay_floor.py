@@ -1,5 +1,5 @@
-"""tools/bench/relay_floor.py: the byte-level splice relays whole streamed answers (real
-processes: one simulated replica, the splice in its own process)."""
+"""tools/bench/relay_floor.py: the byte-level splice and the pass-through proxy relay whole
+streamed answers (real processes: one simulated replica, each relay in its own process)."""
 from __future__ import annotations
 
 import subprocess
@@ -9,13 +9,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_splice_relays_every_event_and_reports_cpu() -> None:
+def test_splice_and_python_floor_relay_every_event_and_report_cpu() -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "relay_floor.py"), "--relays", "splice", "--tokens", "16",
-         "--requests", "6", "--concurrency", "2", "--time-scale", "100"],
+        [sys.executable, str(ROOT / "tools" / "bench" / "relay_floor.py"), "--relays", "splice,python-floor",
+         "--tokens", "16", "--requests", "6", "--concurrency", "2", "--time-scale", "1"],
         capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
-    assert out.returncode == 0, out.stderr[-2000:]
-    row = next(line.split() for line in out.stdout.splitlines() if line.startswith("splice"))
-    answers, events = int(row[1]), float(row[2])
-    assert answers == 6 and events >= 2  # each answer carried its SSE events ([DONE] included)
-    assert "us" in row and "ms" in row
+    # exit 1 also when the relays' event counts differ; at time scale 1 the replica never merges tokens
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for relay in ("splice", "python-floor"):
+        row = next(line.split() for line in out.stdout.splitlines() if line.startswith(relay + " "))
+        answers, events = int(row[1]), float(row[2])
+        assert answers == 6 and events >= 2  # each answer carried its SSE events ([DONE] included)
+        assert "us" in row and "ms" in row

@@ -8,6 +8,9 @@ three relays in front of the same simulated replica (``kimi-k2.6-b200-tp8`` at
 
 - ``kvgate``: ``kvgate serve`` (cache-aware, in-memory index), the whole data plane;
 - ``sglang-router``: sglang-router 0.3.2 (Rust), when installed (``bash loadtest/peers/install.sh``);
+- ``python-floor`` (and ``python-floor-granian``): the pass-through proxy of
+  ``loadtest/peers/python_floor.py``, kvgate's server and client stack with nothing of
+  kvgate's own (``--relays kvgate,python-floor,...``; not in the default list);
 - ``splice``: a byte-level TCP splice in Python on uvloop (this file, ``--serve-splice``):
   no HTTP parsing, no routing, one ``transport.write`` per ``data_received``. It is the
   floor of any Python relay on this event loop: what a relay below ASGI (parsing only the
@@ -140,6 +143,7 @@ def main() -> int:
     from loadtest.demo import GatewayProcess
     from loadtest.peers.overhead import SLOW_PROBES
     from loadtest.peers.run import missing_peers, running_peer
+    from loadtest.peers.targets import FLOORS, open_target
     from loadtest.simulator.fleet import SimFleet, wait_healthy
     from loadtest.simulator.ports import free_port
 
@@ -160,6 +164,9 @@ def main() -> int:
                 finally:
                     proc.terminate()
                     proc.wait(10)
+            elif relay in FLOORS:
+                with open_target(relay, fleet.urls, log_dir) as (url, pid):
+                    rows.append(measure(relay, url, pid, args))
             elif missing_peers([relay]):
                 print(f"{relay}: not installed (bash loadtest/peers/install.sh); skipped", file=sys.stderr)
             else:
