@@ -126,8 +126,8 @@ class Router:
 
         On a remote backend (``concurrent_reads``) the index reads run concurrently (one
         round-trip wait instead of four); in-process ones are awaited in turn, since a task
-        for each costs more than the read. The fleet's resident working set changes slowly and is cached for
-        ``RESIDENT_CACHE_S`` (kept current by ``routed``). The replica views are read
+        for each costs more than the read. The fleet's resident working set changes slowly
+        and is cached for ``RESIDENT_CACHE_S`` (kept current by ``routed``). The replica views are read
         LAST, after every await: from there to the load lease nothing yields to the event
         loop, so concurrent requests each see the load of the decisions made before them
         (no herding on a stale snapshot).
