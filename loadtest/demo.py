@@ -42,7 +42,7 @@ from loadtest import charts, results, synthetic, traces
 from loadtest.driver import DriverConfig
 from loadtest.report import run_with_progress, summary_table
 from loadtest.results import RunResult
-from loadtest.simulator.fleet import SimFleet
+from loadtest.simulator.fleet import SimFleet, stop_process
 from loadtest.simulator.ports import free_port
 from loadtest.workload import Session, Workload
 
@@ -105,13 +105,8 @@ class GatewayProcess:
         raise TimeoutError(f"gateway not ready after {self.ready_timeout_s}s; log: {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

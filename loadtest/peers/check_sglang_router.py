@@ -24,7 +24,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from loadtest.simulator.fleet import SimFleet, wait_http
+from loadtest.simulator.fleet import SimFleet, stop_process, wait_http
 from loadtest.simulator.ports import free_port
 
 LOOPBACK_ENV = {"HF_ENDPOINT": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
@@ -87,12 +87,7 @@ def check(root: Path, timeout_s: float) -> str:
             wait_http(url + "/readiness", timeout_s, proc, poll_s=0.2)
             chunks, tokens, text = stream_through(url)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            stop_process(proc)
             log.close()
     if chunks < 1 or tokens != 8 or not text:
         raise AssertionError(f"unexpected stream: chunks={chunks} tokens={tokens} text={text!r} "

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -41,6 +40,7 @@ from typing import IO, Any
 
 import httpx
 
+from loadtest.simulator.fleet import stop_process
 from loadtest.simulator.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,17 +214,11 @@ class PeerRouter:
         )
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        code = stop_process(self.proc, timeout_s) if self.proc is not None else None
         if self._log is not None:
             self._log.close()
             self._log = None
-        return self.proc.returncode if self.proc is not None else None
+        return code
 
 
 @contextlib.contextmanager

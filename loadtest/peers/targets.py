@@ -16,7 +16,7 @@ from rich.console import Console
 
 from loadtest.demo import GatewayProcess
 from loadtest.peers.run import INSTALL_HINT, PEERS, ROOT, install_peers, missing_peers, running_peer
-from loadtest.simulator.fleet import wait_http
+from loadtest.simulator.fleet import stop_process, wait_http
 from loadtest.simulator.ports import free_port
 
 PYTHON_FLOOR = "python-floor"  # loadtest/peers/python_floor.py: a pass-through proxy, the overhead bench only
@@ -79,12 +79,7 @@ def _python_floor(target: str, workers: Sequence[str], log_dir: Path) -> Iterato
         # Granian serves from one worker process under a supervisor: its CPU is the worker's
         yield url, proc.pid if target == PYTHON_FLOOR else _only_child(proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
 
 
 def _only_child(pid: int) -> int:

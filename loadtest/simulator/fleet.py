@@ -49,6 +49,18 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None =
     raise TimeoutError(f"{url} not 200 after {timeout_s}s (last: {last!r})")
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int | None:
+    """SIGTERM (if still running), wait up to ``timeout_s``, then SIGKILL; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
 def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Poll a replica's ``/health`` until 200."""
     wait_http(url + "/health", timeout_s, proc)
