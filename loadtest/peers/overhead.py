@@ -9,8 +9,10 @@ drift of the machine hits every router and its direct samples alike; a router's 
 (user + system from ``/proc/<pid>/stat``) is counted around its own rounds only (a
 router idle during the others' rounds spends only its probes, slowed for kvgate).
 Interleaved, each router also runs colder (its process waits while the others' rounds
-run), which costs an interpreter more than compiled code: ``--sequential`` measures each
-target alone, one after the other (the method before 2026-12-02), for comparison. Cases: a small chat body and
+run), which costs an interpreter more than compiled code: ``--sequential`` measures the
+targets one after the other, for comparison (as before 2026-12-02, except that every
+target is started first and the others sit idle, probing, while one is measured). Cases:
+a small chat body and
 ``--kbs`` KB agent-shaped ones (default 100 and 400), non-streaming (``max_tokens = 1``,
 time to the end of the body) and streaming (``max_tokens = --stream-tokens``, 8: time to the first body
 byte and to the end), at each ``--concurrency`` (default 1 and 32).
@@ -85,7 +87,7 @@ class Options:
     max_rate_steps: int = 12
     max_rate_p99_ms: float = 10.0
     stream_tokens: int = 8  # output tokens of a streamed case (one SSE chunk each)
-    sequential: bool = False  # each target's cases alone, one target after the other
+    sequential: bool = False  # the targets' cases one target after the other (the others idle)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -317,8 +319,8 @@ def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentG
     parser.add_argument("--stream-tokens", type=int, default=d.stream_tokens,
                         help="output tokens (SSE chunks) per streamed request: the per-chunk relay cost")
     parser.add_argument("--sequential", action="store_true",
-                        help="measure the targets one after the other (each with the replica alone) instead of "
-                             "interleaving their rounds")
+                        help="measure the targets one after the other (all started; only the measured one gets "
+                             "requests) instead of interleaving their rounds")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
