@@ -17,8 +17,11 @@ calls it; ``None`` when ``index.mode == "approximate"``) returns a ``PreciseMode
 
 Nothing here blocks the request path on the network: discovery and subscribers are
 background tasks owned by this object, cancelled by ``close()``. A replica is in precise
-mode once its subscribers run and a tokenizer for it loaded (its ``model_path`` when it is
-a local directory, else ``index.tokenizer_dir``).
+mode once a tokenizer for it loaded (its ``model_path`` when it is a local directory, else
+``index.tokenizer_dir``) and its streams are *live* (``KvEventSubscriber.live``: connected
+to every DP rank's publisher and synced from its replay buffer when it has one); until
+then it is routed approximately, so a publisher the gateway cannot reach, or the moments
+before it connects, never pass for an empty cache.
 """
 from __future__ import annotations
 
@@ -68,6 +71,11 @@ class _Replica:
     identity: str
     tasks: list[asyncio.Task[None]]
     subscribers: list[KvEventSubscriber]
+
+    @property
+    def live(self) -> bool:
+        """Every stream joined (a lease follower has none: it applies the holder's relay)."""
+        return all(sub.live.is_set() for sub in self.subscribers)
 
 
 class MeteredSink(IndexSink):
@@ -139,13 +147,16 @@ class PreciseMode:
         self._gauges()
 
     def precise_replicas(self) -> list[ReplicaId]:
-        return [r for r in self._replicas if r not in self.index.uncertain]
+        """The replicas matched from their events now: streams live, index certain."""
+        return [r for r, state in self._replicas.items() if state.live and r not in self.index.uncertain]
 
     def _gauges(self) -> None:
         if self.metrics is not None:
             uncertain = sum(1 for r in self._replicas if r in self.index.uncertain)
-            self.metrics.precise_replicas.labels("precise").set(len(self._replicas) - uncertain)
+            precise = len(self.precise_replicas())
+            self.metrics.precise_replicas.labels("precise").set(precise)
             self.metrics.precise_replicas.labels("uncertain").set(uncertain)
+            self.metrics.precise_replicas.labels("joining").set(len(self._replicas) - uncertain - precise)
 
     # ---------------------------------------------------------------- registry listener
     def on_added(self, view: ReplicaView) -> None:
@@ -204,7 +215,7 @@ class PreciseMode:
         started = []
         for ep in state.endpoints:
             sub = KvEventSubscriber(ep, sink, self.context, replay_timeout_s=self.replay_timeout_s,
-                                    on_incident=self._incident)
+                                    on_incident=self._incident, on_live=self._gauges)
             if ep.dp_rank in after:
                 sub.tracker.expected = after[ep.dp_rank] + 1
             state.subscribers.append(sub)
@@ -298,7 +309,7 @@ class PreciseMode:
         groups: dict[tuple[str, int, bool], list[ReplicaId]] = {}
         for r in replicas:
             state = self._replicas.get(r)
-            if state is not None and r not in self.index.uncertain:
+            if state is not None and state.live and r not in self.index.uncertain:
                 groups.setdefault((state.model_dir, state.page_size, state.bigram), []).append(r)
         if not groups:
             return None

@@ -137,7 +137,7 @@ class GatewayMetrics:
         for outcome in KV_EVENT_OUTCOMES:
             self.kv_event_streams.labels(outcome)
         self.precise_replicas = Gauge("kvgate_precise_replicas",
-                                      "Replicas matched from their KV events, by state (precise, uncertain)",
+                                      "Replicas with KV events, by state (precise; uncertain: a batch lost; joining: streams not live yet)",
                                       ["state"], registry=r)
         self.admission_held = Gauge("kvgate_admission_held",
                                     "Streaming requests admission holds for the replica (gateway/admission.py)",

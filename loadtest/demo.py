@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE_DIRS = (ROOT.parent / "shared" / "traces" / "claude-code",)
 DEFAULT_PROFILE = "kimi-k2.6-b200-tp8"
 # --kv-events: each simulated replica binds its own free loopback port (port 0)
-KV_EVENTS_CONFIG = '{"publisher": "zmq", "endpoint": "tcp://*:0", "topic": "kv"}'
+KV_EVENTS_CONFIG = '{"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "kv"}'
 
 
 class GatewayProcess:

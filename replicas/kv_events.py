@@ -181,9 +181,16 @@ class SequenceTracker:
     """The next sequence number expected from one publisher (one replica DP rank)."""
 
     expected: int | None = None
+    synced_through: int | None = None
+    """Set after a replay on joining: live batches up to it were applied from the replay
+    (OLD, not a restart) until the first live batch beyond it."""
 
     def observe(self, seq: int) -> tuple[SeqStatus, int]:
         """The status of ``seq`` and, for a GAP, the first missing seq."""
+        if self.synced_through is not None:
+            if seq <= self.synced_through:
+                return SeqStatus.OLD, seq
+            self.synced_through = None
         expected = self.expected
         if expected is None:
             self.expected = seq + 1

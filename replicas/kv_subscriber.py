@@ -2,8 +2,20 @@
 
 ``KvEventSubscriber.run()`` is a task of its own (owned by whoever starts it, cancelled
 on shutdown); it never touches the request path: decoded batches go to an
-``EventSink`` (the precise index), in sequence order. Per message
-(``replicas.kv_events``):
+``EventSink`` (the precise index), in sequence order.
+
+Joining: ZMQ drops what a PUB socket sends before the subscriber is connected (the
+"slow joiner": a replica's publisher reconnects every 100 ms, so a request served right
+after the gateway subscribed published into the void, and nothing showed it). So the
+stream is ``live`` (``live``, ``on_live``) only once the ZMTP handshake with the
+publisher succeeded (a socket monitor) and, when the publisher advertises a replay
+socket, once its whole buffer (SGLang keeps the last ``buffer_steps`` = 10,000 batches)
+was replayed and applied: what the replica stored before the handshake is then known.
+A batch lost between the handshake and the subscription reaching the publisher shows as
+a gap at the next batch and is replayed. Live messages the replay already covered are
+duplicates (``SequenceTracker.synced_through``), not a restart.
+
+Per message (``replicas.kv_events``):
 
     first / next seq      -> sink.apply(batch)
     a gap (seq jumped)    -> replay the missing batches from the publisher's ROUTER
@@ -26,6 +38,7 @@ from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from prefix_index.base import ReplicaId
 from prefix_index.precise import EventBlockIndex
@@ -47,6 +60,7 @@ from replicas.kv_events import (
 
 log = logging.getLogger("replicas.kv_events")
 BIND_RETRY_S = 5.0
+ALL_BUFFERED = (1 << 63) - 1  # replay's exclusive upper bound: every buffered batch
 
 
 class EventSink(Protocol):
@@ -59,10 +73,15 @@ class EventSink(Protocol):
 
 class KvEventSubscriber:
     def __init__(self, endpoint: PublisherEndpoint, sink: EventSink, context: zmq.asyncio.Context, *,
-                 replay_timeout_s: float = 1.0, on_incident: Callable[[str], None] | None = None) -> None:
-        """``on_incident(outcome)`` is told of "gap", "healed", "lost", "restart", "decode_error"."""
+                 replay_timeout_s: float = 1.0, on_incident: Callable[[str], None] | None = None,
+                 on_live: Callable[[], None] | None = None) -> None:
+        """``on_incident(outcome)`` is told of "gap", "healed", "lost", "restart", "decode_error";
+        ``on_live()`` once the stream is live (connected and synced)."""
         self.endpoint = endpoint
         self.on_incident = on_incident
+        self.on_live = on_live
+        self.live = asyncio.Event()
+        self.synced = 0  # batches applied from the replay buffer on joining
         self.sink = sink
         self.context = context
         self.replay_timeout_s = replay_timeout_s
@@ -102,6 +121,11 @@ class KvEventSubscriber:
     async def run(self) -> None:
         sock = self._sock = await self._socket()
         try:
+            await self._joined(sock)
+            await self._sync()
+            self.live.set()
+            if self.on_live is not None:
+                self.on_live()
             while True:
                 frames = await sock.recv_multipart()
                 try:
@@ -114,6 +138,31 @@ class KvEventSubscriber:
                 await self.handle(batch)
         finally:
             sock.close(linger=0)
+
+    async def _joined(self, sock: zmq.asyncio.Socket) -> None:
+        """Until the ZMTP handshake with the publisher succeeded (before it, nothing arrives)."""
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            while parse_monitor_message(await monitor.recv_multipart())["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                pass
+        finally:
+            if not sock.closed:  # closed: ``close()`` ran before the task was cancelled
+                sock.disable_monitor()
+            monitor.close(linger=0)
+
+    async def _sync(self) -> None:
+        """Apply the publisher's replay buffer (when it has a replay socket): what it sent before
+        the handshake. Live batches the replay covered are then skipped as duplicates."""
+        if not self.endpoint.replay_endpoint:
+            return
+        buffered = await self.replay(0, ALL_BUFFERED)
+        for batch in buffered:
+            await self.handle(batch)
+        self.synced = len(buffered)
+        if buffered:
+            self.tracker.synced_through = buffered[-1].seq
+            log.info("kv events from %s: joined with %d buffered batch(es), through seq %d",
+                     self.endpoint.endpoint, len(buffered), buffered[-1].seq)
 
     async def handle(self, batch: EventBatch) -> None:
         status, first_missing = self.tracker.observe(batch.seq)

@@ -77,6 +77,7 @@ class SGLangProfile:
     enable_metrics: bool = True
     enable_cache_report: bool = True
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None  # the ROUTER replaying buffered batches (rank r: port + r)
     kv_events_topic: str = ""
     watchdog_timeout: int | None = None
     extra_args: tuple[str, ...] = ()
@@ -228,6 +229,8 @@ def build_args(p: SGLangProfile) -> list[str]:
         out += _emit(dataclasses.replace(p, speculative_algorithm=p.speculative_algorithm.upper()), _SPECULATIVE)
     if p.kv_events_endpoint:
         cfg = {"publisher": "zmq", "endpoint": p.kv_events_endpoint, "topic": p.kv_events_topic}
+        if p.kv_events_replay_endpoint:
+            cfg["replay_endpoint"] = p.kv_events_replay_endpoint
         out += ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
     return out + _emit(p, _TAIL) + list(p.extra_args)
 

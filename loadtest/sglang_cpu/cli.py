@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-endpoint", default=None,
                         help="ZMQ endpoint of the KV-event publisher, e.g. tcp://127.0.0.1:5557 "
                              "(with --replicas N, replica i uses port + i)")
+    parser.add_argument("--kv-events-replay-endpoint", default=None,
+                        help="ZMQ ROUTER endpoint replaying buffered KV-event batches (the server binds it), "
+                             "e.g. tcp://127.0.0.1:5600 (with --replicas N, replica i uses port + i)")
     parser.add_argument("--replicas", type=int, default=1, help="number of servers (at most 3)")
     parser.add_argument("--base-port", type=int, default=None,
                         help="with --replicas: server i listens on base-port + i")
@@ -47,7 +50,8 @@ def specs(args: argparse.Namespace) -> list[ServerSpec]:
     base = args.base_port if args.base_port is not None else args.port
     return [ServerSpec(port=base + i, host=args.host, max_total_tokens=args.max_total_tokens,
                        page_size=args.page_size,
-                       kv_events_endpoint=_endpoint(args.kv_events_endpoint, i))
+                       kv_events_endpoint=_endpoint(args.kv_events_endpoint, i),
+                       kv_events_replay_endpoint=_endpoint(args.kv_events_replay_endpoint, i))
             for i in range(args.replicas)]
 
 

@@ -83,6 +83,7 @@ class ServerSpec:
     max_total_tokens: int = 16384
     page_size: int | None = None
     kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557 (the PUB connects)
+    kv_events_replay_endpoint: str | None = None  # the ROUTER replaying buffered batches (SGLang binds it)
     served_model_name: str = SERVED_MODEL_NAME
     extra_args: tuple[str, ...] = ()  # appended last, e.g. ("--max-running-requests", "4")
 
@@ -94,6 +95,8 @@ class ServerSpec:
             args += ["--page-size", str(self.page_size)]
         if self.kv_events_endpoint is not None:
             config = {"publisher": "zmq", "endpoint": self.kv_events_endpoint, "topic": "kv"}
+            if self.kv_events_replay_endpoint is not None:
+                config["replay_endpoint"] = self.kv_events_replay_endpoint
             args += ["--kv-events-config", json.dumps(config)]
         return [*args, *self.extra_args]
 

@@ -123,6 +123,7 @@ def test_profiles_parse_with_sglang_0_5_23(real_parser: dict[str, dict[str, Any]
     assert parsed["speculative_algorithm_resolved"] == str(profile.speculative_algorithm).upper()
     assert parsed["speculative_draft_model_path"] == profile.speculative_draft_model_path
     assert parsed["kv_events_resolved"]["publisher"] == "zmq"
+    assert parsed["kv_events_resolved"]["replay_endpoint"] == profile.kv_events_replay_endpoint == "tcp://*:5600"
     assert parsed["served_model_name"] == profile.served_model_name
 
 

@@ -123,12 +123,47 @@ async def replay_server(ctx: zmq.asyncio.Context, port: int, buffered: dict[int,
 
 async def test_gap_healed_by_replay(ctx: zmq.asyncio.Context) -> None:
     replay_port = free_port()
-    server = asyncio.create_task(replay_server(ctx, replay_port, {s: payload(s) for s in range(10)}))
+    buffered: dict[int, bytes] = {}  # empty when the subscriber joins: nothing to sync
+    server = asyncio.create_task(replay_server(ctx, replay_port, buffered))
     pub, sink, sub, task = await start(ctx, replay_port)
+    assert sub.live.is_set() and sub.synced == 0
+    buffered.update({s: payload(s) for s in range(10)})
     await send(pub, 1)
     await send(pub, 5)  # 2, 3, 4 lost on the PUB socket, still in the replay buffer
     await wait_for(lambda: sink.seqs[-1:] == [5])
     assert sink.seqs == [0, 1, 2, 3, 4, 5] and not sink.lost_ranges and sub.healed == 1
+    task.cancel()
+    server.cancel()
+    pub.close()
+
+
+async def test_joining_syncs_from_the_replay_buffer(ctx: zmq.asyncio.Context) -> None:
+    """What the publisher sent before the subscriber connected (ZMQ dropped it) is replayed on
+    joining, before the stream is live; live batches the replay covered are duplicates."""
+    port, replay_port = free_port(), free_port()
+    buffered = {s: payload(s) for s in range(3)}
+    server = asyncio.create_task(replay_server(ctx, replay_port, buffered))
+    endpoint = PublisherEndpoint("http://127.0.0.1:1", 0, f"tcp://127.0.0.1:{port}", False, TOPIC, 2,
+                                 f"tcp://127.0.0.1:{replay_port}")
+    sink = Sink()
+    lives: list[list[int]] = []
+    sub = KvEventSubscriber(endpoint, sink, ctx, replay_timeout_s=1.0, on_live=lambda: lives.append(list(sink.seqs)))
+    task = asyncio.create_task(sub.run())
+    await asyncio.sleep(0.3)  # no publisher yet: the stream cannot be live, nothing was applied
+    assert not sub.live.is_set() and sink.seqs == []
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    await asyncio.wait_for(sub.live.wait(), 10)
+    assert lives == [[0, 1, 2]] and sub.synced == 3
+    async with asyncio.timeout(10):  # live batches: 1 and 2 again (covered by the replay), then 3
+        while sink.seqs[-1] != 3:
+            for seq in (1, 2, 3):
+                await send(pub, seq)
+            await asyncio.sleep(0.02)
+    await send(pub, 0)  # beyond the replayed range, going back is a restart again
+    await wait_for(lambda: sink.restarts == 1)
+    assert sink.seqs[:4] == [0, 1, 2, 3] and set(sink.seqs[4:-1]) <= {3} and sink.seqs[-1] == 0
     task.cancel()
     server.cancel()
     pub.close()

@@ -124,14 +124,16 @@ def test_cli_specs_and_flags() -> None:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["--replicas", "2", "--base-port", "31000", "--page-size", "16",
-                              "--kv-events-endpoint", "tcp://127.0.0.1:5557"])
+                              "--kv-events-endpoint", "tcp://127.0.0.1:5557",
+                              "--kv-events-replay-endpoint", "tcp://127.0.0.1:5600"])
     specs = cli.specs(args)
     assert [s.port for s in specs] == [31000, 31001]
     assert [s.kv_events_endpoint for s in specs] == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
     argv = specs[1].args(Path("/m"))
     pairs = dict(zip(argv[::2], argv[1::2], strict=False))
     assert pairs["--host"] == "127.0.0.1" and pairs["--page-size"] == "16"
-    assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "tcp://127.0.0.1:5558"
+    kv_config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert kv_config["endpoint"] == "tcp://127.0.0.1:5558" and kv_config["replay_endpoint"] == "tcp://127.0.0.1:5601"
     for flag in ("--sleep-on-idle", "--enable-cache-report", "--enable-metrics", "--disable-cuda-graph"):
         assert flag in argv
     assert ServerSpec(port=1).args(Path("/m")).count("--page-size") == 0

@@ -6,7 +6,10 @@ time; the gateway (in-process, with ``gateway.kv_wiring`` attached as the lead's
 lines attach it) subscribes to both event streams. Asserted, per request: the response's
 ``x-kvgate-expected-cached-tokens`` equals the reported ``cached_tokens`` within one page
 for >= 99%; after ``/flush_cache`` the next request there is predicted a miss; after a
-restart no stale entry survives. These servers are this module's own (never more than 2).
+restart no stale entry survives. The servers keep SGLang's replay buffer (``replay_endpoint``):
+a request served before the gateway subscribed (its batch sent while no subscriber was
+connected) is known once the gateway's streams are live. These servers are this module's
+own (never more than 2).
 """
 from __future__ import annotations
 
@@ -40,13 +43,15 @@ POOL_TOKENS = 1024
 PAGES = (1, 4)
 SESSIONS = 6
 TURNS = 6
+EARLY_PROMPT = "Served before the gateway subscribed to this replica's KV events. " * 6
 
 
 @pytest.fixture(scope="module")
 def servers(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SGLangServer]]:
     log_dir = tmp_path_factory.mktemp("sglang-precise")
     started = [SGLangServer(sglang_env, ServerSpec(port=AUTO_PORT, max_total_tokens=POOL_TOKENS, page_size=page,
-                                                   kv_events_endpoint=f"tcp://127.0.0.1:{late_bind_port()}"),
+                                                   kv_events_endpoint=f"tcp://127.0.0.1:{late_bind_port()}",
+                                                   kv_events_replay_endpoint=f"tcp://127.0.0.1:{late_bind_port()}"),
                             log_dir / f"sglang-{i}.log") for i, page in enumerate(PAGES)]
     start_all(started)
     yield started
@@ -72,6 +77,11 @@ def gateway(servers: list[SGLangServer]) -> Iterator[tuple[TestClient, PreciseMo
         gw.close = close_both
         return gw
 
+    # served before any gateway subscribed: its events went out to no subscriber (replay buffer only)
+    before = httpx.post(servers[0].url + "/v1/chat/completions", trust_env=False, timeout=120,
+                        json={"model": MODEL, "max_tokens": 4, "temperature": 0.0,
+                              "messages": [{"role": "user", "content": EARLY_PROMPT}]})
+    assert before.status_code == 200, before.text
     settings = load_settings(overrides={"registry": {"replicas": [s.url for s in servers], "probe_interval_s": 1.0,
                                                      "unhealthy_after_failures": 2},
                                         "policy": {"seed": 7}})
@@ -132,6 +142,18 @@ class Chat:
 
 def page_of(servers: list[SGLangServer], replica: str) -> int:
     return next(s.spec.page_size or 1 for s in servers if s.url == replica)
+
+
+def test_joining_gateway_knows_what_was_stored_before_it_subscribed(
+        gateway: tuple[TestClient, PreciseMode], servers: list[SGLangServer]) -> None:
+    _, mode = gateway
+    early = ReplicaId(servers[0].url)
+    ctx = RequestContext("early", "chat", MODEL, SessionKeys(None), (), 0, 0, 4,
+                         payload={"model": MODEL, "messages": [{"role": "user", "content": EARLY_PROMPT}]})
+    answer = mode.lookup(ctx, [early])
+    assert answer is not None and answer.prompt_tokens > 60
+    page = page_of(servers, early)
+    assert answer.matches[early].device_blocks >= answer.prompt_tokens // page * page - page, answer
 
 
 def test_predictions_match_reported_cached_tokens_under_eviction(

@@ -80,7 +80,8 @@ def parse(argv: list[str]) -> dict[str, Any]:
         from sglang.srt.disaggregation.kv_events import KVEventsConfig  # type: ignore[import-not-found,unused-ignore]
 
         cfg = KVEventsConfig.from_cli(ns.kv_events_config)
-        values["kv_events_resolved"] = {"publisher": cfg.publisher, "endpoint": cfg.endpoint, "topic": cfg.topic}
+        values["kv_events_resolved"] = {"publisher": cfg.publisher, "endpoint": cfg.endpoint, "topic": cfg.topic,
+                                        "replay_endpoint": cfg.replay_endpoint}
     import sglang.version  # type: ignore[import-not-found,unused-ignore]
 
     values["sglang_version"] = sglang.version.__version__
