@@ -60,6 +60,7 @@ from replicas.kv_events import (
 
 log = logging.getLogger("replicas.kv_events")
 BIND_RETRY_S = 5.0
+JOIN_WARN_S = 30.0  # a stream not joined by then is logged (once): a publisher the gateway cannot reach
 ALL_BUFFERED = (1 << 63) - 1  # replay's exclusive upper bound: every buffered batch
 
 
@@ -142,9 +143,19 @@ class KvEventSubscriber:
     async def _joined(self, sock: zmq.asyncio.Socket) -> None:
         """Until the ZMTP handshake with the publisher succeeded (before it, nothing arrives)."""
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        warn_after: float | None = JOIN_WARN_S
         try:
-            while parse_monitor_message(await monitor.recv_multipart())["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                pass
+            while True:
+                try:
+                    async with asyncio.timeout(warn_after):
+                        event = parse_monitor_message(await monitor.recv_multipart())
+                except TimeoutError:
+                    log.warning("kv events from %s: no publisher connected after %.0f s; the replica is routed "
+                                "approximately until one does", self.endpoint.endpoint, warn_after)
+                    warn_after = None
+                    continue
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return
         finally:
             if not sock.closed:  # closed: ``close()`` ran before the task was cancelled
                 sock.disable_monitor()

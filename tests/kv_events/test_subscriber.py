@@ -8,6 +8,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from replicas import kv_subscriber
 from replicas.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -137,9 +138,12 @@ async def test_gap_healed_by_replay(ctx: zmq.asyncio.Context) -> None:
     pub.close()
 
 
-async def test_joining_syncs_from_the_replay_buffer(ctx: zmq.asyncio.Context) -> None:
+async def test_joining_syncs_from_the_replay_buffer(ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
     """What the publisher sent before the subscriber connected (ZMQ dropped it) is replayed on
-    joining, before the stream is live; live batches the replay covered are duplicates."""
+    joining, before the stream is live; live batches the replay covered are duplicates. A
+    stream not joined in ``JOIN_WARN_S`` is logged."""
+    monkeypatch.setattr(kv_subscriber, "JOIN_WARN_S", 0.1)
     port, replay_port = free_port(), free_port()
     buffered = {s: payload(s) for s in range(3)}
     server = asyncio.create_task(replay_server(ctx, replay_port, buffered))
@@ -151,6 +155,7 @@ async def test_joining_syncs_from_the_replay_buffer(ctx: zmq.asyncio.Context) ->
     task = asyncio.create_task(sub.run())
     await asyncio.sleep(0.3)  # no publisher yet: the stream cannot be live, nothing was applied
     assert not sub.live.is_set() and sink.seqs == []
+    assert [r for r in caplog.records if "no publisher connected after" in r.getMessage()]
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.bind(f"tcp://127.0.0.1:{port}")
