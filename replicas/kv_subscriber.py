@@ -93,23 +93,28 @@ class KvEventSubscriber:
         self.decode_errors = 0
         self._sock: zmq.asyncio.Socket | None = None
 
-    async def _socket(self) -> zmq.asyncio.Socket:
-        """The SUB socket; a bind retries while the address is still held (a predecessor's
-        socket closing: a replica re-discovered after a restart), up to ``BIND_RETRY_S``."""
+    async def _socket(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """The SUB socket and its handshake monitor (attached before the connect or bind: a
+        handshake with a publisher already there completes at once); a bind retries while the
+        address is still held (a predecessor's socket closing: a replica re-discovered after a
+        restart), up to ``BIND_RETRY_S``."""
         sock = self.context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         if not self.endpoint.bind:
             sock.connect(self.endpoint.endpoint)
-            return sock
+            return sock, monitor
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BIND_RETRY_S
         while True:
             try:
                 sock.bind(self.endpoint.endpoint)
-                return sock
+                return sock, monitor
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or loop.time() > deadline:
+                    sock.disable_monitor()
+                    monitor.close(linger=0)
                     sock.close(linger=0)
                     raise
                 await asyncio.sleep(0.05)
@@ -120,9 +125,10 @@ class KvEventSubscriber:
             self._sock.close(linger=0)
 
     async def run(self) -> None:
-        sock = self._sock = await self._socket()
+        sock, monitor = await self._socket()
+        self._sock = sock
         try:
-            await self._joined(sock)
+            await self._joined(sock, monitor)
             await self._sync()
             self.live.set()
             if self.on_live is not None:
@@ -140,9 +146,8 @@ class KvEventSubscriber:
         finally:
             sock.close(linger=0)
 
-    async def _joined(self, sock: zmq.asyncio.Socket) -> None:
+    async def _joined(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
         """Until the ZMTP handshake with the publisher succeeded (before it, nothing arrives)."""
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         warn_after: float | None = JOIN_WARN_S
         try:
             while True:

@@ -60,8 +60,15 @@ class Replica:
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic)
+        monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.connect(self.endpoint.endpoint)
-        time.sleep(0.3)  # the SUB's subscription reaches the PUB (ZMQ's slow joiner)
+        # ZMQ's slow joiner: nothing reaches the SUB before the handshake; the subscription
+        # follows it on the same connection, well before the first request's events
+        assert monitor.poll(20_000), "no handshake with the replica's publisher"
+        monitor.recv_multipart()
+        self.sub.disable_monitor()
+        monitor.close(linger=0)
+        time.sleep(0.05)
         self.batches: list[EventBatch] = []
         self.index = EventBlockIndex()
         self.rid = ReplicaId(self.url)
