@@ -168,10 +168,12 @@ class KvEventSubscriber:
 
     async def _sync(self) -> None:
         """Apply the publisher's replay buffer (when it has a replay socket): what it sent before
-        the handshake. Live batches the replay covered are then skipped as duplicates."""
+        the handshake (from ``tracker.expected`` when a lease takeover set it: the previous
+        holder relayed the rest). Live batches the replay covered are then skipped as duplicates."""
         if not self.endpoint.replay_endpoint:
             return
-        buffered = await self.replay(0, ALL_BUFFERED)
+        # a lease takeover already applied the relayed batches: only what follows them
+        buffered = await self.replay(self.tracker.expected or 0, ALL_BUFFERED)
         for batch in buffered:
             await self.handle(batch)
         self.synced = len(buffered)

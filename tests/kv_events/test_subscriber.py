@@ -174,6 +174,27 @@ async def test_joining_syncs_from_the_replay_buffer(ctx: zmq.asyncio.Context, mo
     pub.close()
 
 
+async def test_joining_after_a_lease_takeover_replays_only_what_follows(ctx: zmq.asyncio.Context) -> None:
+    """A gateway taking over a replica's lease has applied the relayed batches (the tracker
+    expects 3): the join replays from there, and the older buffered batches are no restart."""
+    port, replay_port = free_port(), free_port()
+    server = asyncio.create_task(replay_server(ctx, replay_port, {s: payload(s) for s in range(6)}))
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    endpoint = PublisherEndpoint("http://127.0.0.1:1", 0, f"tcp://127.0.0.1:{port}", False, TOPIC, 2,
+                                 f"tcp://127.0.0.1:{replay_port}")
+    sink = Sink()
+    sub = KvEventSubscriber(endpoint, sink, ctx, replay_timeout_s=1.0)
+    sub.tracker.expected = 3
+    task = asyncio.create_task(sub.run())
+    await asyncio.wait_for(sub.live.wait(), 10)
+    assert sink.seqs == [3, 4, 5] and sink.restarts == 0 and sub.synced == 3
+    task.cancel()
+    server.cancel()
+    pub.close()
+
+
 async def test_restart_and_garbage(ctx: zmq.asyncio.Context) -> None:
     pub, sink, sub, task = await start(ctx, None)
     await send(pub, 1)
