@@ -22,7 +22,8 @@ Per message (``replicas.kv_events``):
                              (when advertised, within replay_timeout_s) and apply them first;
                              what could not be replayed -> sink.lost(...): the replica's entries
                              are uncertain until rebuilt
-    seq went back           -> sink.restarted(...) (the replica restarted: drop its entries), apply
+    seq went back         -> sink.restarted(...) (the replica restarted: drop its entries);
+                             its batches before this one replayed as for a gap; apply
     the last seq again    -> ignored (a duplicate)
     undecodable           -> counted in ``decode_errors``, skipped
 
@@ -189,6 +190,10 @@ class KvEventSubscriber:
         if status is SeqStatus.RESTART:
             self._incident("restart")
             await self.sink.restarted(self.endpoint)
+            if batch.seq > 0:  # the new run's first batches went out before it reconnected
+                self.gaps += 1
+                self._incident("gap")
+                await self._heal(0, batch.seq)
         elif status is SeqStatus.GAP:
             self.gaps += 1
             self._incident("gap")

@@ -195,6 +195,32 @@ async def test_joining_after_a_lease_takeover_replays_only_what_follows(ctx: zmq
     pub.close()
 
 
+async def test_a_restart_seen_late_replays_the_new_runs_first_batches(ctx: zmq.asyncio.Context) -> None:
+    """The replica restarted and its publisher reconnected after sending batches 0 and 1 of
+    its new run: they come from the replay buffer (without one, the replica is uncertain)."""
+    replay_port = free_port()
+    buffered: dict[int, bytes] = {}
+    server = asyncio.create_task(replay_server(ctx, replay_port, buffered))
+    pub, sink, sub, task = await start(ctx, replay_port)
+    for seq in (1, 2, 3):
+        await send(pub, seq)
+    await wait_for(lambda: sink.seqs[-1:] == [3])
+    buffered.update({s: payload(s) for s in range(3)})  # the new run: 0, 1 missed live
+    await send(pub, 2)
+    await wait_for(lambda: sink.restarts == 1 and sink.seqs[-1:] == [2])
+    assert sink.seqs[-3:] == [0, 1, 2] and not sink.lost_ranges and sub.healed == 1
+    task.cancel()
+    server.cancel()
+    pub.close()
+    pub, sink, sub, task = await start(ctx, None)
+    for seq in (1, 2, 3, 2):
+        await send(pub, seq)
+    await wait_for(lambda: sink.restarts == 1)
+    await wait_for(lambda: sink.lost_ranges == [(0, 2)])
+    task.cancel()
+    pub.close()
+
+
 async def test_restart_and_garbage(ctx: zmq.asyncio.Context) -> None:
     pub, sink, sub, task = await start(ctx, None)
     await send(pub, 1)
