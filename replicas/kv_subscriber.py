@@ -63,6 +63,11 @@ log = logging.getLogger("replicas.kv_events")
 BIND_RETRY_S = 5.0
 JOIN_WARN_S = 30.0  # a stream not joined by then is logged (once): a publisher the gateway cannot reach
 ALL_BUFFERED = (1 << 63) - 1  # replay's exclusive upper bound: every buffered batch
+JOIN_REPLAY_TIMEOUT_S = 30.0
+"""The whole buffer on joining (up to 10,000 batches, first turns' token ids included: tens
+of MB on a busy replica) may take longer than a gap's replay; the replica is routed
+approximately meanwhile. What arrived by then is applied; a batch missing after it then
+shows as a gap."""
 
 
 class EventSink(Protocol):
@@ -174,7 +179,8 @@ class KvEventSubscriber:
         if not self.endpoint.replay_endpoint:
             return
         # a lease takeover already applied the relayed batches: only what follows them
-        buffered = await self.replay(self.tracker.expected or 0, ALL_BUFFERED)
+        buffered = await self.replay(self.tracker.expected or 0, ALL_BUFFERED,
+                                     max(self.replay_timeout_s, JOIN_REPLAY_TIMEOUT_S))
         for batch in buffered:
             await self.handle(batch)
         self.synced = len(buffered)
@@ -222,8 +228,9 @@ class KvEventSubscriber:
         if self.on_incident is not None:
             self.on_incident(outcome)
 
-    async def replay(self, start: int, stop: int) -> list[EventBatch]:
-        """Batches ``start <= seq < stop`` from the replay socket ([] on timeout or error)."""
+    async def replay(self, start: int, stop: int, timeout_s: float | None = None) -> list[EventBatch]:
+        """Batches ``start <= seq < stop`` from the replay socket, in order (on a timeout, after
+        ``timeout_s`` or ``replay_timeout_s``, or an error: those that arrived before it)."""
         assert self.endpoint.replay_endpoint is not None
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -231,7 +238,7 @@ class KvEventSubscriber:
         out: list[EventBatch] = []
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            async with asyncio.timeout(self.replay_timeout_s):
+            async with asyncio.timeout(self.replay_timeout_s if timeout_s is None else timeout_s):
                 while True:
                     frames = await sock.recv_multipart()
                     if len(frames) != 4:
