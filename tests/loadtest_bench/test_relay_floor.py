@@ -2,22 +2,15 @@
 streamed answers (real processes: one simulated replica, each relay in its own process)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.procs import bench_tool
 
 
 def test_splice_and_python_floor_relay_every_event_and_report_cpu() -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "relay_floor.py"), "--relays", "splice,python-floor",
-         "--tokens", "16", "--requests", "6", "--concurrency", "2", "--time-scale", "1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     # exit 1 also when the relays' event counts differ; at time scale 1 the replica never merges tokens
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    out = bench_tool("relay_floor.py", "--relays", "splice,python-floor", "--tokens", "16", "--requests", "6",
+                     "--concurrency", "2", "--time-scale", "1")
     for relay in ("splice", "python-floor"):
-        row = next(line.split() for line in out.stdout.splitlines() if line.startswith(relay + " "))
+        row = next(line.split() for line in out.splitlines() if line.startswith(relay + " "))
         answers, events = int(row[1]), float(row[2])
         assert answers == 6 and events >= 2  # each answer carried its SSE events ([DONE] included)
         assert "us" in row and "ms" in row

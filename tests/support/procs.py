@@ -17,7 +17,7 @@ import httpx
 
 from loadtest.simulator.ports import free_port
 
-__all__ = ["Proc", "free_port", "kvgate_cmd", "running", "wait_http"]  # free_port: the one helper, re-exported
+__all__ = ["Proc", "bench_tool", "free_port", "kvgate_cmd", "running", "wait_http"]  # free_port: the one helper, re-exported
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +96,11 @@ def running(args: Sequence[str], log_path: Path, env: dict[str, str] | None = No
 def kvgate_cmd(*args: str) -> list[str]:
     """The `kvgate` CLI run with this interpreter (works without the console script)."""
     return [sys.executable, "-m", "gateway.cli", *args]
+
+
+def bench_tool(script: str, *args: str, timeout_s: float = 120.0) -> str:
+    """Run ``tools/bench/<script>`` with ``args`` in the repository; its stdout (exit 0 asserted)."""
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / script), *args],
+                         capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
