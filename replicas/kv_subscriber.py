@@ -196,11 +196,8 @@ class KvEventSubscriber:
         if status is SeqStatus.RESTART:
             self._incident("restart")
             await self.sink.restarted(self.endpoint)
-            if batch.seq > 0:  # the new run's first batches went out before it reconnected
-                self.gaps += 1
-                self._incident("gap")
-                await self._heal(0, batch.seq)
-        elif status is SeqStatus.GAP:
+            first_missing = 0  # the new run's first batches may have gone out before it reconnected
+        if first_missing < batch.seq:  # a gap, or a restart seen after its first batches
             self.gaps += 1
             self._incident("gap")
             await self._heal(first_missing, batch.seq)
