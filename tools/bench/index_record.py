@@ -36,13 +36,14 @@ def load_revision(rev: str) -> ModuleType:
     """``prefix_index/memory.py`` as of ``rev`` (git show), imported under its own name."""
     source = subprocess.run(["git", "show", f"{rev}:prefix_index/memory.py"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="kvgate-index-record-")) / "memory_at_rev.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("memory_at_rev", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="kvgate-index-record-") as tmp:  # gone once imported
+        path = Path(tmp) / "memory_at_rev.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("memory_at_rev", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
     return module
 
 
