@@ -5,13 +5,9 @@ Layout
   bit set with bit ``2s`` = "replica s holds it" (in either tier; the odd bits stay 0). The
   tier is read from the replica's own LRUs, so moving a block between its tiers (HiCache's
   demotion and load-back, most of a busy replica's work) touches only those two dicts.
-- Each replica keeps two LRUs (``device``, ``host``; last = most recent): ``device`` an
-  ``OrderedDict`` (a record moves the chain's blocks to its end, ``move_to_end``), ``host``
-  a plain, insertion-ordered ``dict`` (blocks enter at its end and leave from anywhere but
-  never move within it; a dict's insert and pop cost less than an OrderedDict's:
-  ``tools/bench/index_record.py``, docs/profile.md). Together they are ONE recency list:
-  the replica's ``device_blocks`` most recent blocks are on device, the next
-  ``host_blocks`` in host, the rest dropped. ``record`` walks the
+- Each replica keeps two ``OrderedDict`` LRUs (``device``, ``host``; last = most recent).
+  Together they are ONE recency list: the replica's ``device_blocks`` most recent blocks
+  are on device, the next ``host_blocks`` in host, the rest dropped. ``record`` walks the
   chain backwards so block 0 ends most recent: a prefix outlives its extensions, as in
   SGLang's radix cache (leaves are evicted first).
 - ``match`` walks the chain once, narrowing a bit mask of still-matching replicas: one
@@ -76,7 +72,7 @@ class _Replica:
     slot: int
     capacity: ReplicaCapacity
     device: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
-    host: dict[BlockHash, None] = field(default_factory=dict)  # insertion order = recency
+    host: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
     gaps: set[BlockHash] = field(default_factory=set)  # truncated, not recorded since
     gap_marker: BlockHash | None = None  # the most recent block right after the last truncation
 
@@ -277,7 +273,7 @@ class MemoryPrefixIndex(SessionMethods):
             deque(map(device.pop, moved), maxlen=0)
             host.update(zip(moved, repeat(None)))
         while len(device) < dcap and host:  # room on device: the host MRU moves up
-            h, _ = host.popitem()  # the most recent
+            h, _ = host.popitem(last=True)
             device[h] = None
             device.move_to_end(h, last=False)
         if len(host) > hcap:  # drop the host LRU blocks
@@ -285,5 +281,5 @@ class MemoryPrefixIndex(SessionMethods):
             deque(map(host.pop, dropped), maxlen=0)
             keep = ~st.present_bit
             left = list(map(keep.__and__, map(owners.get, dropped, repeat(0))))
-            deque(map(owners.pop, compress(dropped, map(not_, left)), repeat(None)), maxlen=0)  # no owner left
-            owners.update(zip(compress(dropped, left), filter(None, left)))  # others still hold it
+            owners.update(zip(dropped, left))
+            deque(map(owners.pop, compress(dropped, map(not_, left))), maxlen=0)
