@@ -28,14 +28,14 @@ import numpy as np
 
 from prefix_index.base import (
     BlockHash,
-    IndexStats,
     PrefixMatch,
     ReplicaCapacity,
     ReplicaId,
 )
 from prefix_index.compact_store import I64, U64, RowStore, as_hashes
+from prefix_index.embedded import EmbeddedMethods
 from prefix_index.memory import DEFAULT_CAPACITY
-from prefix_index.session_table import DEFAULT_MAX_SESSIONS, SessionMethods, SessionTable
+from prefix_index.session_table import DEFAULT_MAX_SESSIONS, SessionTable
 
 SEARCH_POINTS = 12  # probes per replica and round: 13**3 = 2,197 blocks in 3 rounds
 GROUPS = 6  # replicas searched one by one (each with the replicas sharing its answer)
@@ -56,10 +56,8 @@ class _Replica:
         return max(self.capacity.device_blocks, 0) + max(self.capacity.host_blocks, 0)
 
 
-class CompactPrefixIndex(SessionMethods):
+class CompactPrefixIndex(EmbeddedMethods):
     """The compact embedded backend. Implements ``prefix_index.base.PrefixIndex``."""
-
-    concurrent_reads = False  # in-process: every read answers without waiting
 
     def __init__(
         self,
@@ -83,9 +81,6 @@ class CompactPrefixIndex(SessionMethods):
         self.sessions = SessionTable(session_ttl_s, clock, max_sessions)
 
     # -- reads -------------------------------------------------------------------
-    async def match(self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
-        return self.match_now(hashes, replicas)
-
     def match_now(self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
         out = dict.fromkeys(replicas, _EMPTY)
         keys = as_hashes(hashes)
@@ -206,22 +201,15 @@ class CompactPrefixIndex(SessionMethods):
             held_lo, held_hi = _narrow(held_lo, held_hi, pts_h, ok_h, open_h)
             dev_lo, dev_hi = _narrow(dev_lo, dev_hi, pts_d, ok_d, open_d)
 
-    async def stats(self) -> IndexStats:
-        device, host = {}, {}
+    def tier_blocks(self) -> dict[ReplicaId, tuple[int, int]]:
+        out = {}
         for rid, st in self._replicas.items():
             live = int(self._store.live[st.slot])
-            device[rid] = min(live, max(st.capacity.device_blocks, 0))
-            host[rid] = live - device[rid]
-        return IndexStats(device_blocks=device, host_blocks=host, sessions=len(self.sessions),
-                          session_evictions=self.sessions.evictions)
-
-    def replicas(self) -> list[ReplicaId]:
-        return list(self._replicas)
+            device = min(live, max(st.capacity.device_blocks, 0))
+            out[rid] = (device, live - device)
+        return out
 
     # -- writes ------------------------------------------------------------------
-    async def record(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
-        self.record_now(replica, hashes)
-
     def record_now(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
         st = self._replica(replica)
         keys = as_hashes(hashes)
@@ -275,9 +263,6 @@ class CompactPrefixIndex(SessionMethods):
             self._free_slots.append(st.slot)
             self._rows_cache = None
         self.sessions.drop_replica(replica)
-
-    async def close(self) -> None:
-        return None
 
     # -- internals -----------------------------------------------------------------
     def _replica(self, replica: ReplicaId) -> _Replica:

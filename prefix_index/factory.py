@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prefix_index.base import PrefixIndex, ReplicaCapacity
 from prefix_index.config import IndexConfig
-from prefix_index.memory import MemoryPrefixIndex
+from prefix_index.local_index import embedded_index
 
 
 def make_index(config: IndexConfig) -> PrefixIndex:
@@ -17,13 +17,11 @@ def make_index(config: IndexConfig) -> PrefixIndex:
         from prefix_index.redis_backend import RedisPrefixIndex  # redis is imported only when used
 
         return RedisPrefixIndex(config)
-    default = ReplicaCapacity(config.default_device_blocks, config.default_host_blocks)
     if config.backend == "compact":
         from prefix_index.compact import CompactPrefixIndex
 
-        return CompactPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default,
+        return CompactPrefixIndex(session_ttl_s=config.session_ttl_s,
+                                  default_capacity=ReplicaCapacity(config.default_device_blocks,
+                                                                   config.default_host_blocks),
                                   max_sessions=config.max_sessions)
-    # the gateway's hashes are chains (block k's hash names blocks 0..k): held blocks are a
-    # prefix of a chain, so match and record binary-search them instead of walking
-    return MemoryPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=default,
-                             max_sessions=config.max_sessions, assume_chains=True)
+    return embedded_index(config)

@@ -20,24 +20,10 @@ Layout
   ``popitem`` per block (``tests/prefix_index/test_memory_speed_equivalence.py`` checks it
   against that per-block model, chains repeating a block included).
 
-- ``assume_chains=True`` (the fleet simulator, whose hashes are chains) relies on the
-  contract's chain property: along a chain a replica's held blocks are a prefix, and so
-  are its device blocks (``record`` makes a parent more recent than its child and
-  eviction takes the least recent first), so ``match`` and ``record`` binary-search them
-  (~log2(n) lookups per replica instead of one per block). Only ``truncate`` can leave a
-  held block whose parent is gone: its removed blocks are the replica's ``gaps``, and a
-  replica with gaps is walked block by block until recording them again fills them.
-  Gaps are bounded: a gap matters only while a block held at the time of the truncation
-  and not touched since is still held (a block touched since was recorded with its whole
-  chain, the gap included). The replica's most recent block right after the last
-  truncation (``gap_marker``) is the newest of those; once the LRUs have dropped it, they
-  have dropped all of them, and the gaps are cleared. Truncations that keep coming keep the
-  marker recent, so the gaps are also capped at the replica's capacity in blocks
-  (``MAX_GAPS_MIN`` at least): past it they are forgotten and the replica is searched
-  again, at the price of a prediction that may be off for a chain crossing an old gap
-  (another chain's descendants of a truncated block; the next record of that chain
-  repairs it).
-  The answers are those of the walk (checked by the same test file).
+- Used for hash lists that need not be chains (the Redis backend's local copy with
+  ``redis_exact_match``; the contract suite's ``memory-walk``). The gateway's hashes are
+  chains: its embedded index is ``prefix_index/segments.py``, which keeps this model's
+  recency list one segment per recorded chain instead of one entry per block.
 
 The Redis backend implements the same model (one sorted set per replica scored by a
 logical clock), so both pass one contract suite.
@@ -45,7 +31,6 @@ logical clock), so both pass one contract suite.
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,14 +39,13 @@ from operator import not_
 
 from prefix_index.base import (
     BlockHash,
-    IndexStats,
     PrefixMatch,
     ReplicaCapacity,
     ReplicaId,
 )
-from prefix_index.session_table import DEFAULT_MAX_SESSIONS, SessionMethods, SessionTable
+from prefix_index.embedded import EmbeddedMethods
+from prefix_index.session_table import DEFAULT_MAX_SESSIONS, SessionTable
 
-MAX_GAPS_MIN = 4096  # gaps kept per replica at least (module docstring)
 DEFAULT_CAPACITY = ReplicaCapacity(device_blocks=16384, host_blocks=0)
 """Used until ``set_capacity``: 16,384 blocks x 64 tokens = 1M tokens of device KV, a
 mid-size GPU pool; the registry replaces it with the replica's reported size."""
@@ -73,15 +57,6 @@ class _Replica:
     capacity: ReplicaCapacity
     device: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
     host: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
-    gaps: set[BlockHash] = field(default_factory=set)  # truncated, not recorded since
-    gap_marker: BlockHash | None = None  # the most recent block right after the last truncation
-
-    def drop_stale_gaps(self) -> None:
-        """Clear the gaps once the LRUs no longer hold the marker (module docstring)."""
-        marker = self.gap_marker
-        if self.gaps and (marker is None or (marker not in self.device and marker not in self.host)):
-            self.gaps.clear()
-            self.gap_marker = None
 
     @property
     def present_bit(self) -> int:
@@ -98,54 +73,29 @@ def _slots(mask: int) -> list[int]:
     return out
 
 
-def _run(hashes: Sequence[BlockHash], lo: int, hi: int, present: Callable[[BlockHash], bool]) -> int:
-    """Length of the leading run of ``hashes[:hi]`` (at least ``lo`` long) satisfying a
-    prefix-closed predicate: a binary search for the first block without it."""
-    return bisect_left(hashes, True, lo, hi, key=lambda h: not present(h))
-
-
-class MemoryPrefixIndex(SessionMethods):
-    """The embedded backend (default). Implements ``prefix_index.base.PrefixIndex``."""
-
-    concurrent_reads = False  # in-process: every read answers without waiting
+class MemoryPrefixIndex(EmbeddedMethods):
+    """The per-block embedded index, for any hash list. Implements ``prefix_index.base.PrefixIndex``."""
 
     def __init__(
         self,
         session_ttl_s: float = 3600.0,
         default_capacity: ReplicaCapacity = DEFAULT_CAPACITY,
         clock: Callable[[], float] = time.monotonic,
-        assume_chains: bool = False,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         self._default = default_capacity
-        self._chains = assume_chains
         self._owners: dict[BlockHash, int] = {}
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._free_slots: list[int] = []
         self.sessions = SessionTable(session_ttl_s, clock, max_sessions)
 
     # -- reads -------------------------------------------------------------------
-    async def match(self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
-        return self.match_now(hashes, replicas)
-
     def match_now(self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
         """Synchronous ``match`` (the embedded backend never waits)."""
         by_slot = {st.slot: rid for rid in replicas if (st := self._replicas.get(rid)) is not None}
-        searched = {s: rid for s, rid in by_slot.items() if self._chains and not self._replicas[rid].gaps}
-        walked = {s: rid for s, rid in by_slot.items() if s not in searched}
         out = {rid: PrefixMatch() for rid in replicas}
-        out.update(self._walk(hashes, walked) if walked else {})
-        for rid in searched.values():
-            out[rid] = self._search(hashes, self._replicas[rid])
+        out.update(self._walk(hashes, by_slot) if by_slot else {})
         return out
-
-    def _search(self, hashes: Sequence[BlockHash], st: _Replica) -> PrefixMatch:
-        """A gap-free replica's match on a chain: held and device blocks are prefixes."""
-        get = self._owners.get
-        pbit = st.present_bit
-        held = _run(hashes, 0, len(hashes), lambda h: bool(get(h, 0) & pbit))
-        device = _run(hashes, 0, held, st.device.__contains__)
-        return PrefixMatch(device_blocks=device, host_blocks=held - device)
 
     def _walk(self, hashes: Sequence[BlockHash], by_slot: dict[int, ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
         """Match by walking the chain once for the replicas in ``by_slot`` (any hash list)."""
@@ -173,46 +123,23 @@ class MemoryPrefixIndex(SessionMethods):
                 out[rid] = PrefixMatch(device_blocks=n - host, host_blocks=host)
         return out
 
-    async def stats(self) -> IndexStats:
-        return IndexStats(
-            device_blocks={rid: len(st.device) for rid, st in self._replicas.items()},
-            host_blocks={rid: len(st.host) for rid, st in self._replicas.items()},
-            sessions=len(self.sessions),
-            session_evictions=self.sessions.evictions,
-        )
-
-    def replicas(self) -> list[ReplicaId]:
-        return list(self._replicas)
+    def tier_blocks(self) -> dict[ReplicaId, tuple[int, int]]:
+        return {rid: (len(st.device), len(st.host)) for rid, st in self._replicas.items()}
 
     # -- writes ------------------------------------------------------------------
-    async def record(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
-        self.record_now(replica, hashes)
 
     def record_now(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
         st = self._replica(replica)
         chain = hashes[::-1]  # block 0 last: most recent
         owners, device, host = self._owners, st.device, st.host
         pbit = st.present_bit
-        st.drop_stale_gaps()
-        absent: Sequence[BlockHash]
-        moved: Sequence[BlockHash] = chain  # blocks already on device, moved to the MRU end
-        if self._chains and not st.gaps:  # device blocks, then host ones, are prefixes
-            d = _run(hashes, 0, len(hashes), device.__contains__)
-            c = _run(hashes, d, len(hashes), host.__contains__)
-            promoted, fresh = hashes[d:c], hashes[c:]
-            # the chain's absent blocks come first in its order: inserted in that order, then
-            # only the held prefix moves behind them (the same order as moving every block)
-            absent, moved = chain[:len(chain) - d], chain[len(chain) - d:]
-        else:
-            absent = list(filterfalse(device.__contains__, chain))
-            promoted = list(filter(host.__contains__, absent))
-            fresh = list(filterfalse(host.__contains__, absent)) if promoted else absent
-            if st.gaps:  # recorded again: no longer missing
-                st.gaps.difference_update(hashes)
+        absent = list(filterfalse(device.__contains__, chain))
+        promoted = list(filter(host.__contains__, absent))
+        fresh = list(filterfalse(host.__contains__, absent)) if promoted else absent
         deque(map(host.pop, promoted, repeat(None)), maxlen=0)  # a repeated block
         owners.update(zip(fresh, map(pbit.__or__, map(owners.get, fresh, repeat(0)))))
         device.update(zip(absent, repeat(None)))
-        deque(map(device.move_to_end, moved), maxlen=0)  # the chain to the end, in its order
+        deque(map(device.move_to_end, chain), maxlen=0)  # the chain to the end, in its order
         self._rebalance(st)
 
     async def truncate(self, replica: ReplicaId, hashes: Sequence[BlockHash], keep_blocks: int) -> None:
@@ -222,16 +149,7 @@ class MemoryPrefixIndex(SessionMethods):
         for h in hashes[max(keep_blocks, 0):]:
             if st.device.pop(h, 0) is None or st.host.pop(h, 0) is None:
                 self._clear(h, st.present_bit)
-                if self._chains:  # its descendants on other chains may stay: a gap
-                    st.gaps.add(h)
         self._rebalance(st)
-        if st.gaps:
-            st.gap_marker = next(reversed(st.device), None) if st.device else next(reversed(st.host), None)
-            # nothing held (nothing can sit behind a gap), or past the cap: forget them
-            if st.gap_marker is None or len(st.gaps) > max(st.capacity.device_blocks + st.capacity.host_blocks,
-                                                           MAX_GAPS_MIN):
-                st.gaps.clear()
-                st.gap_marker = None
 
     async def set_capacity(self, replica: ReplicaId, capacity: ReplicaCapacity) -> None:
         st = self._replica(replica)
@@ -245,9 +163,6 @@ class MemoryPrefixIndex(SessionMethods):
                 self._clear(h, st.present_bit)
             self._free_slots.append(st.slot)
         self.sessions.drop_replica(replica)
-
-    async def close(self) -> None:
-        return None
 
     # -- internals -----------------------------------------------------------------
     def _replica(self, replica: ReplicaId) -> _Replica:

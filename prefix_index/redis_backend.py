@@ -9,7 +9,7 @@ other gateways' sessions copied locally, so an outage keeps their affinity). Eve
 TTL. The key layout, the algorithms and measured costs are in docs/redis.md.
 
 Degrade, don't fail: every call is bounded by ``redis_timeout_s``. On an error or a
-timeout the backend answers from a local ``MemoryPrefixIndex`` that mirrors its own
+timeout the backend answers from a local embedded index (``prefix_index.local_index.embedded_index``) that mirrors its own
 writes, counts ``degraded_total``, logs once, and pings every ``redis_retry_s`` until
 Redis answers. If Redis came back empty (restart), answers also consult the local copy
 for ``redis_recovery_merge_s``.
@@ -47,7 +47,7 @@ from prefix_index.base import (
     SessionEntry,
 )
 from prefix_index.config import IndexConfig
-from prefix_index.memory import MemoryPrefixIndex
+from prefix_index.local_index import EmbeddedIndex, embedded_index
 from prefix_index.redis_scripts import CHAIN_SCRIPTS, EXACT_SCRIPTS
 from prefix_index.redis_sessions import (
     FEED_BATCH,
@@ -107,9 +107,7 @@ class RedisPrefixIndex:
         self._cfg = config
         self._p = config.key_prefix
         self._block_ttl_ms = max(int(config.block_ttl_s * 1000), 1)
-        default = ReplicaCapacity(config.default_device_blocks, config.default_host_blocks)
-        self._local = MemoryPrefixIndex(config.session_ttl_s, default, max_sessions=config.max_sessions,
-                                        assume_chains=not config.redis_exact_match)
+        self._local = embedded_index(config, chains=not config.redis_exact_match)
         scripts = EXACT_SCRIPTS if config.redis_exact_match else CHAIN_SCRIPTS
         self._scripts = {name: client.register_script(src) for name, src in scripts.items()}
         self.degraded = False
@@ -136,7 +134,7 @@ class RedisPrefixIndex:
         return len(self._queue)
 
     @property
-    def local(self) -> MemoryPrefixIndex:
+    def local(self) -> EmbeddedIndex:
         """The local copy used while degraded (tests and metrics read it)."""
         return self._local
 

@@ -1,7 +1,7 @@
 """One policy on a fresh simulated fleet over a whole workload, in virtual time.
 
 `run_policy` builds N ``ReplicaEngine``s in one ``VirtualFleet``, a fresh embedded
-``MemoryPrefixIndex`` (its session clock is the virtual clock) and a fresh policy
+index (``prefix_index.local_index.embedded_index``; its session clock is the virtual clock) and a fresh policy
 (``policies.registry.make_policy``), then lets `loadtest.fleetsim.sessions` send the
 workload's turns. Each turn becomes a ``RequestContext`` exactly as the gateway would
 build it (session keys from the session's headers by ``gateway.context.session_keys``,
@@ -52,7 +52,7 @@ from policies.registry import make_policy
 from policies.sglang_cache_aware import SglangParams
 from prefix_index.base import ReplicaId
 from prefix_index.config import IndexConfig
-from prefix_index.memory import MemoryPrefixIndex
+from prefix_index.local_index import embedded_index
 from replicas.admission import Ticket
 from replicas.load import LoadLease
 from replicas.probe import Capacity
@@ -125,9 +125,8 @@ class FleetRun:
         self.engines = [ReplicaEngine(prof, seed=cfg.seed + i) for i in range(cfg.replicas)]
         self.fleet = VirtualFleet(self.engines)
         # the index's session clock is the virtual clock; block hashes are chains (the traces'
-        # hash ids are: equal id = equal prefix), so the index may binary-search them
-        self.index = MemoryPrefixIndex(session_ttl_s=IndexConfig().session_ttl_s, clock=self._now,
-                                       assume_chains=True)
+        # hash ids are: equal id = equal prefix), as the gateway's are
+        self.index = embedded_index(IndexConfig(), chains=True, clock=self._now)
         block = workload.sessions[0].block_size if workload.sessions else 64
         self.want_text = policy_name in POLICIES_NEEDING_ROUTING_TEXT
         self.policy = make_policy(policy_name, self._params(policy_name, block), cfg.seed)

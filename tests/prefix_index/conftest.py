@@ -18,7 +18,7 @@ from prefix_index.base import (
 )
 from prefix_index.compact import CompactPrefixIndex
 from prefix_index.config import IndexConfig
-from prefix_index.memory import MemoryPrefixIndex
+from prefix_index.local_index import embedded_index
 from prefix_index.redis_backend import RedisPrefixIndex
 from tests.support.redis_server import redis_server
 
@@ -68,9 +68,8 @@ async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[MakeIndex]
     async def make(**overrides: Any) -> PrefixIndex:
         cfg = IndexConfig(**overrides)
         index: PrefixIndex
-        if backend in ("memory", "memory-walk"):  # memory: as the factory builds it (chains searched)
-            index = MemoryPrefixIndex(cfg.session_ttl_s, ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks),
-                                      max_sessions=cfg.max_sessions, assume_chains=backend == "memory")
+        if backend in ("memory", "memory-walk"):  # memory: as the factory builds it (the segment index)
+            index = embedded_index(cfg, chains=backend == "memory")
         elif backend == "compact":
             index = CompactPrefixIndex(cfg.session_ttl_s,
                                        ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks),

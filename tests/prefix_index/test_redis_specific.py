@@ -15,8 +15,8 @@ from redis.asyncio import Redis
 from prefix_index.base import PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
 from prefix_index.config import IndexConfig
 from prefix_index.factory import make_index
-from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.redis_backend import RedisPrefixIndex
+from prefix_index.segments import SegmentPrefixIndex
 from tests.support.procs import free_port
 from tests.support.redis_server import RedisServer, redis_process
 
@@ -64,7 +64,7 @@ async def clean(redis_url: str) -> AsyncIterator[redis.Redis]:
 
 
 def test_factory_picks_backend(redis_url: str) -> None:
-    assert isinstance(make_index(IndexConfig()), MemoryPrefixIndex)
+    assert isinstance(make_index(IndexConfig()), SegmentPrefixIndex)
     assert isinstance(make_index(IndexConfig(redis_url=redis_url)), RedisPrefixIndex)
     with pytest.raises(ValueError):
         make_index(IndexConfig(backend="redis"))
@@ -211,7 +211,7 @@ async def test_segment_layout_follows_the_embedded_backend_on_conversations(
     rng = random.Random(5)
     caps = ReplicaCapacity(device_blocks=60, host_blocks=40)
     redis_index = RedisPrefixIndex(cfg(redis_url))
-    memory = MemoryPrefixIndex(default_capacity=caps)
+    memory = SegmentPrefixIndex(default_capacity=caps)
     replicas = [A, B]
     for rid in replicas:
         await redis_index.set_capacity(rid, caps)

@@ -6,9 +6,11 @@ its chain demoted to host (or dropped), so its record promotes (or re-inserts) e
 block and demotes as many others. This replays that shape on one replica: ``--sessions``
 chains of ``--blocks`` blocks, each growing ``--grow`` blocks a turn, recorded round-robin
 for ``--turns`` turns, under each ``--tiers`` device/host capacity (blocks). The first
-third of the records (warm-up) is not counted. With ``--against REV`` the same workload
-runs, alternating per configuration, on ``prefix_index/memory.py`` as of that git revision
-too, and the ratio is printed.
+third of the records (warm-up) is not counted. The working tree's index is the gateway's
+(``prefix_index.local_index.embedded_index``: the segment index). With ``--against REV`` the
+same workload runs, alternating per configuration, on the gateway's embedded index as of
+that git revision too (``prefix_index/segments.py`` where the revision has it, else
+``prefix_index/memory.py`` in its chain mode), and the ratio is printed.
 
     python tools/bench/index_record.py [--against HEAD~1] [--tiers 3000/6000,6000/12000,20000/40000]
 """
@@ -22,24 +24,35 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from prefix_index import memory
 from prefix_index.base import ReplicaCapacity, ReplicaId
+from prefix_index.config import IndexConfig
+from prefix_index.local_index import embedded_index
+
+Make = Callable[[ReplicaCapacity], Any]  # capacity -> an embedded index with record_now
 
 
-def load_revision(rev: str) -> ModuleType:
-    """``prefix_index/memory.py`` as of ``rev`` (git show), imported under its own name."""
-    source = subprocess.run(["git", "show", f"{rev}:prefix_index/memory.py"], cwd=ROOT, check=True,
+def working_tree(capacity: ReplicaCapacity) -> Any:
+    return embedded_index(IndexConfig(default_device_blocks=capacity.device_blocks,
+                                      default_host_blocks=capacity.host_blocks))
+
+
+def _module_at(rev: str, path: str) -> ModuleType:
+    """``path`` as of ``rev`` (git show), imported under its own name."""
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
+    name = Path(path).stem + "_at_rev"
     with tempfile.TemporaryDirectory(prefix="kvgate-index-record-") as tmp:  # gone once imported
-        path = Path(tmp) / "memory_at_rev.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location("memory_at_rev", path)
+        file = Path(tmp) / f"{name}.py"
+        file.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, file)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -47,10 +60,21 @@ def load_revision(rev: str) -> ModuleType:
     return module
 
 
-def run(module: ModuleType, device: int, host: int, sessions: int, blocks: int, grow: int, turns: int,
+def load_revision(rev: str) -> Make:
+    """The gateway's embedded index as of ``rev``."""
+    has_segments = subprocess.run(["git", "cat-file", "-e", f"{rev}:prefix_index/segments.py"], cwd=ROOT,
+                                  capture_output=True, check=False).returncode == 0
+    if has_segments:
+        segments = _module_at(rev, "prefix_index/segments.py")
+        return lambda capacity: segments.SegmentPrefixIndex(default_capacity=capacity)
+    memory = _module_at(rev, "prefix_index/memory.py")
+    return lambda capacity: memory.MemoryPrefixIndex(assume_chains=True, default_capacity=capacity)
+
+
+def run(make: Make, device: int, host: int, sessions: int, blocks: int, grow: int, turns: int,
         seed: int) -> list[float]:
     """Seconds per counted record."""
-    index = module.MemoryPrefixIndex(assume_chains=True, default_capacity=ReplicaCapacity(device, host))
+    index = make(ReplicaCapacity(device, host))
     rid = ReplicaId("replica")
     rng = random.Random(seed)
     chains = [[rng.getrandbits(63) for _ in range(blocks)] for _ in range(sessions)]
@@ -75,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--against", default=None, help="a git revision to compare with")
     args = parser.parse_args(argv)
-    versions = [("working tree", memory)]
+    versions: list[tuple[str, Make]] = [("working tree", working_tree)]
     if args.against:
         versions.append((args.against, load_revision(args.against)))
     print(f"{args.sessions} sessions x {args.blocks} blocks (+{args.grow} a turn), {args.turns} turns, "
@@ -83,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     for tier in args.tiers.split(","):
         device, host = (int(x) for x in tier.split("/"))
         p50s = {}
-        for name, module in versions:
-            t = run(module, device, host, args.sessions, args.blocks, args.grow, args.turns, args.seed)
+        for name, make in versions:
+            t = run(make, device, host, args.sessions, args.blocks, args.grow, args.turns, args.seed)
             q = statistics.quantiles(t, n=10)
             p50s[name] = statistics.median(t)
             print(f"device {device:>6} / host {host:>6} blocks  {name:>14}: record p50 {p50s[name] * 1e6:7.1f} us"
