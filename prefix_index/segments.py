@@ -4,19 +4,22 @@ The model is the memory backend's (``prefix_index/memory.py``): each replica has
 recency list of blocks; its ``device_blocks`` most recent are on device, the next
 ``host_blocks`` in host, the rest dropped; ``record`` moves a chain's blocks to the most
 recent end, block 0 last (a prefix outlives its extensions). This backend keeps that list
-as a list of *segments*, one per record: a segment is a run of one chain's blocks by
-depth, ``[lo, hi)``, of which ``[lo, dev)`` are on device. So a record costs one dict
-write per block of the chain (``where``: block -> its segment) and a few operations per
-segment it crosses, instead of the per-block moves between two LRUs that dominate the
-memory backend's record when sessions come back from host.
+as a list of *segments*: a segment is a run of one chain's blocks by depth, ``[lo, hi)``,
+of which ``[lo, dev)`` are on device; ``where`` maps each held block to its segment. A
+record relinks the segments its chain takes whole, splits off the front of one it takes
+in part (a prefix shared with a more recent chain), extends the deepest with the new
+blocks, and writes ``where`` only for the blocks that changed segment: a session's next
+turn costs a few operations per segment and one dict write per new block, instead of
+the per-block moves between two LRUs that dominate the memory backend's record when
+sessions come back from host.
 
 Why it is exact (on chains: block k's hash names blocks 0..k, the contract's property):
 - A block's depth is its index in every chain holding it, so a segment finds a block at
   ``chain[depth - off]`` and two chains agree up to some depth and never after.
 - A record takes from older segments only the front of their live run (its chain agrees
   with theirs up to a depth, and their run starts where a newer record took the rest),
-  and a newer segment never becomes older: along any chain, the segments holding its
-  prefix get older as the depth grows. Within a segment the lower depth is the more
+  and relinks what it took newest, in depth order: along any chain, the segments holding
+  its prefix get older as the depth grows. Within a segment the lower depth is the more
   recent. So the recency list is the segments, newest first, each from ``lo`` to ``hi``.
 - The device tier is the most recent ``device_blocks``: all segments newer than one edge
   segment are wholly on device, all older wholly in host, the edge split at ``dev``.
