@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from prefix_index.base import ReplicaCapacity
+
 
 class IndexConfig(BaseModel):
     backend: Literal["memory", "compact", "redis"] = Field(
@@ -76,3 +78,8 @@ class IndexConfig(BaseModel):
     redis_recovery_merge_s: float = Field(
         default=600.0, ge=0, description="after Redis came back empty: also answer from the local copy this long"
     )
+
+    @property
+    def default_capacity(self) -> ReplicaCapacity:
+        """A replica's LRU sizes until its capacity is known."""
+        return ReplicaCapacity(self.default_device_blocks, self.default_host_blocks)

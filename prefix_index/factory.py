@@ -1,7 +1,7 @@
 """Build the configured prefix index backend (the only place that chooses one)."""
 from __future__ import annotations
 
-from prefix_index.base import PrefixIndex, ReplicaCapacity
+from prefix_index.base import PrefixIndex
 from prefix_index.config import IndexConfig
 from prefix_index.local_index import embedded_index
 
@@ -20,8 +20,6 @@ def make_index(config: IndexConfig) -> PrefixIndex:
     if config.backend == "compact":
         from prefix_index.compact import CompactPrefixIndex
 
-        return CompactPrefixIndex(session_ttl_s=config.session_ttl_s,
-                                  default_capacity=ReplicaCapacity(config.default_device_blocks,
-                                                                   config.default_host_blocks),
+        return CompactPrefixIndex(session_ttl_s=config.session_ttl_s, default_capacity=config.default_capacity,
                                   max_sessions=config.max_sessions)
     return embedded_index(config)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prefix_index.base import ReplicaCapacity
 from prefix_index.config import IndexConfig
 from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.segments import SegmentPrefixIndex
@@ -19,7 +18,6 @@ def embedded_index(config: IndexConfig, chains: bool = True,
     gateway's are) the segment index, which keeps recency per recorded chain and follows
     a chain's held prefix segment by segment; for arbitrary hash lists (the Redis
     backend's local copy with ``redis_exact_match``) the per-block walk."""
-    default = ReplicaCapacity(config.default_device_blocks, config.default_host_blocks)
     if chains:
-        return SegmentPrefixIndex(config.session_ttl_s, default, clock, max_sessions=config.max_sessions)
-    return MemoryPrefixIndex(config.session_ttl_s, default, clock, max_sessions=config.max_sessions)
+        return SegmentPrefixIndex(config.session_ttl_s, config.default_capacity, clock, max_sessions=config.max_sessions)
+    return MemoryPrefixIndex(config.session_ttl_s, config.default_capacity, clock, max_sessions=config.max_sessions)

@@ -163,8 +163,7 @@ class RedisPrefixIndex:
         return out
 
     def _as_recorded(self, replica: ReplicaId, blocks: int) -> PrefixMatch:
-        cap = self._caps.get(replica) or ReplicaCapacity(self._cfg.default_device_blocks,
-                                                         self._cfg.default_host_blocks)
+        cap = self._caps.get(replica) or self._cfg.default_capacity
         device = min(blocks, cap.device_blocks)
         return PrefixMatch(device, min(blocks - device, cap.host_blocks))
 

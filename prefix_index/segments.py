@@ -119,11 +119,15 @@ class _SegmentLane:
             self.compact(rest)
         self.compact(seg)
 
+    def owned(self, seg: _Segment, x: int, y: int, holder: _Segment) -> list[BlockHash]:
+        """The blocks of ``seg``'s chain at depths ``[x, y)`` that ``where`` gives to
+        ``holder`` (a slot whose block moved elsewhere is not its own)."""
+        where = self.where
+        return [h for h in seg.chain[x - seg.off: y - seg.off] if where.get(h) is holder]
+
     def point(self, seg: _Segment, was: _Segment) -> None:
         """Re-point ``where`` at ``seg`` for the blocks of its run that ``was`` held."""
-        where = self.where
-        blocks = seg.chain[seg.lo - seg.off: seg.hi - seg.off]
-        where.update(zip([h for h in blocks if where.get(h) is was], repeat(seg)))
+        self.where.update(zip(self.owned(seg, seg.lo, seg.hi, was), repeat(seg)))
 
     @staticmethod
     def compact(seg: _Segment) -> None:
@@ -138,8 +142,7 @@ class _SegmentLane:
         where, head = self.where, self.head
         while count > 0 and (seg := head.newer) is not head:
             x = max(seg.lo, seg.hi - count)
-            blocks = seg.chain[x - seg.off: seg.hi - seg.off]
-            deque(map(where.pop, [h for h in blocks if where.get(h) is seg]), maxlen=0)
+            deque(map(where.pop, self.owned(seg, x, seg.hi, seg)), maxlen=0)
             count -= seg.hi - x
             self.remove(seg, x, seg.hi)
 
@@ -219,12 +222,10 @@ class SegmentPrefixIndex(EmbeddedMethods):
                 held = hops[-1][2] if hops else 0
             pieces: list[_Segment] = []
             for seg, start, end in hops:
-                if end == seg.hi:  # taken whole: the segment itself moves
-                    lane.remove(seg, start, end)
-                    piece = seg
-                else:  # its front: a new segment, the rest stays where it is
-                    lane.remove(seg, start, end)
-                    piece = _Segment(chain, 0, start, end, end)
+                whole = end == seg.hi  # the segment itself moves; else its front becomes a new one
+                lane.remove(seg, start, end)
+                piece = seg if whole else _Segment(chain, 0, start, end, end)
+                if not whole:
                     where.update(zip(chain[start:end], repeat(piece)))
                 pieces.append(piece)
             if held < n:  # the new blocks: the deepest piece grows (its run agrees with the chain)

@@ -12,7 +12,6 @@ from prefix_index.base import (
     IndexStats,
     PrefixIndex,
     PrefixMatch,
-    ReplicaCapacity,
     ReplicaId,
     SessionEntry,
 )
@@ -71,9 +70,7 @@ async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[MakeIndex]
         if backend in ("memory", "memory-walk"):  # memory: as the factory builds it (the segment index)
             index = embedded_index(cfg, chains=backend == "memory")
         elif backend == "compact":
-            index = CompactPrefixIndex(cfg.session_ttl_s,
-                                       ReplicaCapacity(cfg.default_device_blocks, cfg.default_host_blocks),
-                                       max_sessions=cfg.max_sessions)
+            index = CompactPrefixIndex(cfg.session_ttl_s, cfg.default_capacity, max_sessions=cfg.max_sessions)
         else:
             url = request.getfixturevalue("redis_url")
             redis.Redis.from_url(url).flushdb()

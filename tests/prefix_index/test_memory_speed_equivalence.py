@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import pytest
 
 from prefix_index.base import PrefixMatch, ReplicaCapacity, ReplicaId
+from prefix_index.local_index import EmbeddedIndex
 from prefix_index.memory import MemoryPrefixIndex
 
 
@@ -167,21 +168,29 @@ def test_random_operations_match_per_block_model(seed: int) -> None:
         chain = _chain(rng, trunks)
         asked = rng.sample(rids, rng.randrange(1, len(rids) + 1))
         assert index.match_now(chain, asked) == ref.match(chain, asked)
-        if op < 0.7:
-            index.record_now(rid, chain)
-            ref.record(rid, chain)
-        elif op < 0.85:
-            keep = rng.randrange(len(chain) + 1)
-            _run(index.truncate(rid, chain, keep))
-            ref.truncate(rid, chain, keep)
-        elif op < 0.95:
-            cap = ReplicaCapacity(rng.randrange(0, 120), rng.randrange(0, 80))
-            _run(index.set_capacity(rid, cap))
-            ref.set_capacity(rid, cap)
-        else:
-            _run(index.remove_replica(rid))
-            ref.remove(rid)
+        apply_write(op, rng, index, ref, rid, chain, mix=(0.7, 0.85, 0.95), sizes=(120, 80))
         assert _layout(index) == _reference_layout(ref)
+
+
+def apply_write(op: float, rng: random.Random, index: EmbeddedIndex, ref: Reference, rid: ReplicaId,
+                chain: list[int], mix: tuple[float, float, float], sizes: tuple[int, int]) -> None:
+    """The same write to the index and the model, chosen by ``op`` against the thresholds
+    ``mix``: record, truncate (a random keep), set a random capacity below ``sizes``
+    (device, host), or remove the replica."""
+    if op < mix[0]:
+        index.record_now(rid, chain)
+        ref.record(rid, chain)
+    elif op < mix[1]:
+        keep = rng.randrange(len(chain) + 1)
+        _run(index.truncate(rid, chain, keep))
+        ref.truncate(rid, chain, keep)
+    elif op < mix[2]:
+        cap = ReplicaCapacity(rng.randrange(0, sizes[0]), rng.randrange(0, sizes[1]))
+        _run(index.set_capacity(rid, cap))
+        ref.set_capacity(rid, cap)
+    else:
+        _run(index.remove_replica(rid))
+        ref.remove(rid)
 
 
 def _run(coro: object) -> None:

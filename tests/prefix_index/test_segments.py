@@ -13,7 +13,7 @@ import pytest
 
 from prefix_index.base import ReplicaCapacity, ReplicaId
 from prefix_index.segments import COMPACT_BELOW, COMPACT_MIN, SegmentPrefixIndex, _SegmentLane
-from tests.prefix_index.test_memory_speed_equivalence import Reference, _fleet, _run
+from tests.prefix_index.test_memory_speed_equivalence import Reference, _fleet, _run, apply_write
 
 Tiers = tuple[list[int], list[int]]
 
@@ -77,20 +77,7 @@ def test_random_operations_match_per_block_model_on_chains(seed: int) -> None:
         chain = _trie_chain(rng, trunks)
         asked = rng.sample(rids, rng.randrange(1, len(rids) + 1))
         assert index.match_now(chain, asked) == ref.match(chain, asked)
-        if op < 0.7:
-            index.record_now(rid, chain)
-            ref.record(rid, chain)
-        elif op < 0.87:
-            keep = rng.randrange(len(chain) + 1)
-            _run(index.truncate(rid, chain, keep))
-            ref.truncate(rid, chain, keep)
-        elif op < 0.97:
-            cap = ReplicaCapacity(rng.randrange(0, 150), rng.randrange(0, 100))
-            _run(index.set_capacity(rid, cap))
-            ref.set_capacity(rid, cap)
-        else:
-            _run(index.remove_replica(rid))
-            ref.remove(rid)
+        apply_write(op, rng, index, ref, rid, chain, mix=(0.7, 0.87, 0.97), sizes=(150, 100))
         assert set(index._lanes) == set(ref.replicas)
         for r, lane in index._lanes.items():
             _check(lane)
