@@ -312,12 +312,18 @@ class Registry:
         self._ejections.probe_answered(rec)
 
     async def poll_loads(self) -> None:
+        """The replicas' own loads, for those that have answered a probe and are not
+        draining: nothing is routed to a draining replica, and a SIGTERM'd SGLang (its
+        ``/ready`` says 503, so it drains) can hang in its exit on a ``/v1/loads`` call
+        that arrives after its schedulers stopped (seen in
+        ``tests/sglang_real/test_gateway_real.py``; uvicorn then waits for that request)."""
         async def one(rec: ReplicaRecord) -> None:
             got = await probe.fetch_loads(self._get, rec.id, self.config.probe_timeout_s)
             if got is not None:
                 rec.reported = got
 
-        await asyncio.gather(*(one(r) for r in list(self._table.records.values()) if r.ever_ok))
+        await asyncio.gather(*(one(r) for r in list(self._table.records.values())
+                               if r.ever_ok and r.state is not ReplicaState.DRAINING))
 
     # ----------------------------------------------------------------- load
     def lease(self, url: str, predicted_uncached_tokens: int) -> LoadLease:

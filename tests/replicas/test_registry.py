@@ -256,6 +256,23 @@ async def test_undrain_of_a_never_probed_replica_returns_to_joining() -> None:
         assert (await h.reg.undrain(A)).state is ReplicaState.JOINING
 
 
+async def test_a_draining_replica_is_not_polled_for_its_loads() -> None:
+    """A SIGTERM'd SGLang drains (``/ready`` 503) and can hang in its exit on a
+    ``/v1/loads`` call: once draining, the gateway stops asking."""
+    async with harness(A, fleet=fleet_with(A, loads=loads_body((12, 3, 5000, 0.5)))) as h:
+        await h.reg.probe_all()
+        lease = h.reg.lease(A, 1)  # in flight: the drain waits for it
+        await h.reg.drain(A)
+        await h.reg.poll_loads()
+        view = h.reg.get(A)
+        assert view is not None and view.state is ReplicaState.DRAINING and view.reported_running == 0
+        await h.reg.undrain(A)
+        await h.reg.poll_loads()
+        view = h.reg.get(A)
+        assert view is not None and view.reported_running == 12
+        lease.release()
+
+
 async def test_leases_and_reported_load_combine_in_views() -> None:
     async with harness(
         A, fleet=fleet_with(A, loads=loads_body((12, 3, 5000, 0.5), (8, 1, 1000, 0.25)))
