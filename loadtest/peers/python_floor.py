@@ -2,12 +2,14 @@
 
 `kvgate bench peers --overhead` can run this as its target ``python-floor``: uvicorn on
 uvloop with httptools (kvgate's server stack), a bare ASGI app and one ``aiohttp``
-session (kvgate's client), forwarding every POST's body to the one replica and relaying
-the answer chunk by chunk. No parsing, no routing, no index, no safety (no deadlines, no
-body cap, no retries): the cost that remains when a Python gateway does nothing but pass
-bytes. The difference between kvgate and this row is what kvgate's own work costs; the
-difference between this row and a compiled router is what the server and client stack
-cost, which no change inside kvgate's Python can remove.
+session (kvgate's client), forwarding every POST's body to a replica and relaying the
+answer chunk by chunk. The replica: a hash of the session's ``x-claude-code-session-id``
+header when there is one (the same session, the same replica, so `kvgate bench peers`
+can run it in front of a fleet), else the next in turn. No parsing, no routing beyond
+that, no index, no safety (no deadlines, no body cap, no retries): the cost that remains
+when a Python gateway does nothing but pass bytes on this stack. The difference between
+kvgate and this row is what kvgate's own work costs; the difference between this row and
+``python-floor-protocol`` is what the server and client stack cost.
 
 Not a product: it exists only to be measured.
 
@@ -16,16 +18,20 @@ Not a product: it exists only to be measured.
 the same Python app and client saves. Granian is not a kvgate dependency: ``pip install
 granian`` first (the target fails to start without it).
 
-    python -m loadtest.peers.python_floor --port 31900 --replica http://127.0.0.1:31001
-    KVGATE_FLOOR_REPLICA=http://127.0.0.1:31001 granian --interface asgi --port 31900 \
+``python-floor-protocol`` (``loadtest/peers/protocol_floor.py``) does the same below ASGI.
+
+    python -m loadtest.peers.python_floor --port 31900 --replica http://127.0.0.1:31001 [--replica ...]
+    KVGATE_FLOOR_REPLICA=http://127.0.0.1:31001[,...] granian --interface asgi --port 31900 \
         --loop uvloop --http 1 --no-ws --factory loadtest.peers.python_floor:from_env
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import zlib
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import aiohttp
 import uvicorn
@@ -34,14 +40,27 @@ from multidict import CIMultiDict
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-HOP = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})
+HOP = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
+SESSION_HEADER = b"x-claude-code-session-id"
+T = TypeVar("T")
+
+
+class Replicas(Generic[T]):
+    """Which replica a request goes to: by a hash of its session id, else in turn."""
+
+    def __init__(self, replicas: Sequence[T]) -> None:
+        self.replicas = list(replicas)
+        self.turn = itertools.cycle(self.replicas)
+
+    def pick(self, session: bytes) -> T:
+        return self.replicas[zlib.crc32(session) % len(self.replicas)] if session else next(self.turn)
 
 
 class PassThrough:
-    """An ASGI app: ``/health`` answers itself; every other request goes to the replica."""
+    """An ASGI app: ``/health`` answers itself; every other request goes to a replica."""
 
-    def __init__(self, replica: str) -> None:
-        self.replica = replica.rstrip("/")
+    def __init__(self, replicas: Sequence[str]) -> None:
+        self.replicas = Replicas([r.rstrip("/") for r in replicas])
         self.session: aiohttp.ClientSession | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -61,7 +80,8 @@ class PassThrough:
         assert self.session is not None
         headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1"))
                               for k, v in scope["headers"] if k not in HOP)
-        async with self.session.request(scope["method"], self.replica + scope["path"], data=body,
+        replica = self.replicas.pick(next((v for k, v in scope["headers"] if k == SESSION_HEADER), b""))
+        async with self.session.request(scope["method"], replica + scope["path"], data=body,
                                         headers=headers) as answer:
             await send({"type": "http.response.start", "status": answer.status,
                         "headers": [(k, v) for k, v in answer.raw_headers if k.lower() not in HOP]})
@@ -86,15 +106,16 @@ class PassThrough:
 
 
 def from_env() -> PassThrough:
-    """The app for a server that imports it (Granian): the replica from ``KVGATE_FLOOR_REPLICA``."""
-    return PassThrough(os.environ["KVGATE_FLOOR_REPLICA"])
+    """The app for a server that imports it (Granian): the replicas from ``KVGATE_FLOOR_REPLICA``
+    (comma-separated)."""
+    return PassThrough(os.environ["KVGATE_FLOOR_REPLICA"].split(","))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--replica", required=True)
+    parser.add_argument("--replica", action="append", required=True)
     args = parser.parse_args(argv)
     uvicorn.run(PassThrough(args.replica), host=args.host, port=args.port, loop="uvloop", http="httptools",
                 ws="none", log_level="warning", access_log=False)

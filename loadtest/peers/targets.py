@@ -19,9 +19,11 @@ from loadtest.peers.run import INSTALL_HINT, PEERS, ROOT, install_peers, missing
 from loadtest.simulator.fleet import stop_process, wait_http
 from loadtest.simulator.ports import free_port
 
-PYTHON_FLOOR = "python-floor"  # loadtest/peers/python_floor.py: a pass-through proxy, the overhead bench only
+PYTHON_FLOOR = "python-floor"  # loadtest/peers/python_floor.py: a pass-through proxy (uvicorn + aiohttp)
 PYTHON_FLOOR_GRANIAN = "python-floor-granian"  # the same app on Granian (pip install granian)
-FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN)
+PYTHON_FLOOR_PROTOCOL = "python-floor-protocol"  # loadtest/peers/protocol_floor.py: the same on asyncio Protocols
+PYTHON_FLOOR_PROTOCOL_AIOHTTP = "python-floor-protocol-aiohttp"  # that server, aiohttp as the client
+FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN, PYTHON_FLOOR_PROTOCOL, PYTHON_FLOOR_PROTOCOL_AIOHTTP)
 
 
 def parse_targets(text: str) -> list[str]:
@@ -61,23 +63,25 @@ def open_target(
 
 @contextlib.contextmanager
 def _python_floor(target: str, workers: Sequence[str], log_dir: Path) -> Iterator[tuple[str, int]]:
-    if len(workers) != 1:
-        raise ValueError(f"{target} forwards to one replica, not {len(workers)}")
     port = free_port()
+    replicas = [arg for w in workers for arg in ("--replica", w)]
     if target == PYTHON_FLOOR:
-        cmd = ["-m", "loadtest.peers.python_floor", "--port", str(port), "--replica", workers[0]]
+        cmd = ["-m", "loadtest.peers.python_floor", "--port", str(port), *replicas]
+    elif target in (PYTHON_FLOOR_PROTOCOL, PYTHON_FLOOR_PROTOCOL_AIOHTTP):
+        client = "aiohttp" if target == PYTHON_FLOOR_PROTOCOL_AIOHTTP else "protocol"
+        cmd = ["-m", "loadtest.peers.protocol_floor", "--port", str(port), "--client", client, *replicas]
     else:
         cmd = ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--loop",
                "uvloop", "--http", "1", "--no-ws", "--log-level", "warning", "--factory",
                "loadtest.peers.python_floor:from_env"]
     with open(log_dir / f"{target}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, *cmd], stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                env={**os.environ, "KVGATE_FLOOR_REPLICA": workers[0]})
+                                env={**os.environ, "KVGATE_FLOOR_REPLICA": ",".join(workers)})
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 30.0, proc)
         # Granian serves from one worker process under a supervisor: its CPU is the worker's
-        yield url, proc.pid if target == PYTHON_FLOOR else _only_child(proc.pid)
+        yield url, proc.pid if target != PYTHON_FLOOR_GRANIAN else _only_child(proc.pid)
     finally:
         stop_process(proc)
 
@@ -94,6 +98,10 @@ def target_version(target: str) -> str:
         return "pass-through (uvicorn+aiohttp)"
     if target == PYTHON_FLOOR_GRANIAN:
         return "pass-through (granian+aiohttp)"
+    if target == PYTHON_FLOOR_PROTOCOL:
+        return "pass-through (asyncio Protocols+httptools)"
+    if target == PYTHON_FLOOR_PROTOCOL_AIOHTTP:
+        return "pass-through (asyncio Protocol server+aiohttp)"
     policy = kvgate_policy(target)
     return f"kvgate {policy}" if policy is not None else PEERS[target].version
 

@@ -38,6 +38,8 @@ def test_targets() -> None:
     assert kvgate_policy("kvgate-session-hash") == "session-hash"
     assert kvgate_policy("smg-least-load") is None
     assert parse_targets("python-floor,python-floor-granian") == ["python-floor", "python-floor-granian"]
+    assert parse_targets("python-floor-protocol,python-floor-protocol-aiohttp") == [
+        "python-floor-protocol", "python-floor-protocol-aiohttp"]
     assert kvgate_policy("python-floor") is None
     with pytest.raises(ValueError, match="unknown target"):
         parse_targets("kvgate,nginx")
@@ -125,6 +127,24 @@ def test_tiny_run_kvgate_and_sglang_router(tmp_path: Path) -> None:
     )
     runs = orjson.loads(out.read_bytes())["runs"]
     assert [r["config"]["target_label"] for r in runs] == ["kvgate", "sglang-router"]
+    for r in runs:
+        s = r["summary"]
+        assert s["requests"] > 0 and s["errors"] == 0 and s["rejected"] == 0, r["label"]
+        assert sum(r["config"]["replica_side"]["requests"]) >= s["requests"]
+    assert code == 0
+
+
+def test_tiny_run_of_the_floors_in_front_of_a_fleet(tmp_path: Path) -> None:
+    """The pass-through floors in front of 2 replicas: every request answered, nothing
+    routed anywhere but the fleet."""
+    out = tmp_path / "peers.json"
+    floors = ["python-floor", "python-floor-protocol", "python-floor-protocol-aiohttp"]
+    code = kvgate_main(["bench", "peers", "--replicas", "2", "--profile", "tiny", "--time-scale", "20",
+                        "--synthetic-sessions", "4", "--synthetic-token-scale", "0.02", "--sessions-concurrent", "4",
+                        "--duration-s", "10", "--max-requests", "16", "--targets", ",".join(floors),
+                        "--json", str(out)])
+    runs = orjson.loads(out.read_bytes())["runs"]
+    assert [r["config"]["target_label"] for r in runs] == floors
     for r in runs:
         s = r["summary"]
         assert s["requests"] > 0 and s["errors"] == 0 and s["rejected"] == 0, r["label"]

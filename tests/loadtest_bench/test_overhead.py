@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import orjson
-import pytest
 from rich.console import Console
 
 from loadtest.bench_gateway import Samples
@@ -24,7 +23,7 @@ from loadtest.peers.overhead import (
     measured_rows,
     overhead_table,
 )
-from loadtest.peers.targets import open_target
+from loadtest.peers.python_floor import Replicas
 from loadtest.simulator.ports import free_port
 
 
@@ -133,10 +132,27 @@ def test_tiny_run_beside_the_python_floor(tmp_path: Path) -> None:
         assert len(granian) == 1 and "granian" in granian[0]["error"]
 
 
-def test_the_floor_forwards_to_one_replica_only(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="one replica"), \
-            open_target("python-floor", ["http://127.0.0.1:9", "http://127.0.0.1:10"], tmp_path):
-        pass
+def test_the_floors_keep_a_session_on_one_replica_and_spread_the_rest() -> None:
+    replicas = Replicas(["a", "b", "c"])
+    picks = {replicas.pick(b"session-%d" % i) for i in range(30)}
+    assert picks == {"a", "b", "c"}  # sessions spread over the fleet
+    assert {replicas.pick(b"session-7") for _ in range(5)} == {replicas.pick(b"session-7")}
+    assert [replicas.pick(b"") for _ in range(4)] == ["a", "b", "c", "a"]  # no session: in turn
+
+
+def test_tiny_run_beside_the_protocol_floors(tmp_path: Path) -> None:
+    """The pass-through below ASGI (asyncio Protocols both sides, and with aiohttp as its
+    client), over real processes: every case measured, streamed and not, no error row."""
+    out = tmp_path / "overhead.json"
+    code = main(["--targets", "python-floor-protocol,python-floor-protocol-aiohttp", "--small", "6", "--large", "2",
+                 "--kbs", "100", "--concurrency", "1,2", "--resamples", "20", "--json", str(out)])
+    rows = orjson.loads(out.read_bytes())["overhead"]
+    assert code == 0
+    for target, version in (("python-floor-protocol", "pass-through (asyncio Protocols+httptools)"),
+                            ("python-floor-protocol-aiohttp", "pass-through (asyncio Protocol server+aiohttp)")):
+        mine = [r for r in rows if r["target"] == target]
+        assert len(mine) == 12 and all("error" not in r and r["n"] >= 2 for r in mine), target
+        assert {r["version"] for r in mine} == {version}
 
 
 def test_a_failing_target_named_twice_gets_two_error_rows() -> None:

@@ -7,9 +7,10 @@ from tests.support.procs import bench_tool
 
 def test_splice_and_python_floor_relay_every_event_and_report_cpu() -> None:
     # exit 1 also when the relays' event counts differ; at time scale 1 the replica never merges tokens
-    out = bench_tool("relay_floor.py", "--relays", "splice,python-floor", "--tokens", "16", "--requests", "6",
+    relays = ("splice", "python-floor", "python-floor-protocol", "python-floor-protocol-aiohttp")
+    out = bench_tool("relay_floor.py", "--relays", ",".join(relays), "--tokens", "16", "--requests", "6",
                      "--concurrency", "2", "--time-scale", "1")
-    for relay in ("splice", "python-floor"):
+    for relay in relays:
         row = next(line.split() for line in out.splitlines() if line.startswith(relay + " "))
         answers, events = int(row[1]), float(row[2])
         assert answers == 6 and events >= 2  # each answer carried its SSE events ([DONE] included)

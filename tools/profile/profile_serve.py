@@ -10,19 +10,23 @@ function and inclusive time per function, as percentages of the gateway's non-id
 samples) and ``docs/profile/<body>.txt``.
 
     tools/profile/setup.sh            # once: py-spy into .venv-tools/ (idempotent)
-    python tools/profile/profile_serve.py --out docs/profile [--native]
+    python tools/profile/profile_serve.py --out docs/profile [--native] [--target python-floor]
+
+``--target`` profiles another process of ``kvgate bench peers`` in the same place (a
+``python-floor*`` pass-through: ``loadtest/peers/targets.py``) instead of ``kvgate serve``.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from loadtest.bench_gateway import PROFILE, client_session, large_body, small_body, timed_post
 from loadtest.demo import GatewayProcess
 from loadtest.peers.overhead import SLOW_PROBES
+from loadtest.peers.targets import open_target
 from loadtest.simulator.fleet import SimFleet
 
 PY_SPY = ROOT / ".venv-tools" / "bin" / "py-spy"
@@ -135,18 +140,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--native", action="store_true", help="py-spy --native (C frames too)")
     parser.add_argument("--policy", default="cache-aware")
+    parser.add_argument("--target", default="kvgate", help="kvgate, or a floor of loadtest/peers/targets.py")
     args = parser.parse_args(argv)
     if not PY_SPY.exists():
         subprocess.run([str(ROOT / "tools" / "profile" / "setup.sh")], check=True)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-native" if args.native else ""
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-profile-"))
+    prefix = "" if args.target == "kvgate" else f"{args.target}-"
     with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir) as fleet, \
-            GatewayProcess(args.policy, fleet.urls, SLOW_PROBES, log_dir=log_dir) as gw:
-        assert gw.proc is not None
-        for name, body in ((f"small{suffix}", small_body()), (f"{args.kb}KB{suffix}", large_body(args.kb))):
-            print(profile_body(gw.proc.pid, gw.url, name, body, args))
+            _target(args, fleet.urls, log_dir) as (url, pid):
+        for name, body in ((f"{prefix}small{suffix}", small_body()), (f"{prefix}{args.kb}KB{suffix}",
+                                                                     large_body(args.kb))):
+            print(profile_body(pid, url, name, body, args))
     return 0
+
+
+@contextlib.contextmanager
+def _target(args: argparse.Namespace, replicas: list[str], log_dir: Path) -> Iterator[tuple[str, int]]:
+    """(URL, pid) of the profiled process: ``kvgate serve`` (slow probes) or a floor."""
+    if args.target != "kvgate":
+        with open_target(args.target, replicas, log_dir) as opened:
+            yield opened
+        return
+    with GatewayProcess(args.policy, replicas, SLOW_PROBES, log_dir=log_dir) as gw:
+        assert gw.proc is not None
+        yield gw.url, gw.proc.pid
 
 
 if __name__ == "__main__":
