@@ -115,7 +115,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         # one clock for routing: wall time, so session times stored in a shared Redis
         # compare across hosts and with the registry's added_at_s (also wall time)
-        self.router = Router(policy, index, registry.views, self.metrics, clock=time.time,
+        self.router = Router(policy, index, registry.views, self.metrics, clock=time.time, ids=registry.ids,
                              rng=policy.new_rng(),
                              local_sessions=min(settings.index.max_sessions, LOCAL_SESSIONS))
         self.scaling = ScaleLoop(settings.scale, registry, registry.views, index, policy.resident_window_s,

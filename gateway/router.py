@@ -91,10 +91,14 @@ class Router:
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
         local_sessions: int = LOCAL_SESSIONS,
+        ids: Callable[[], Sequence[ReplicaId]] | None = None,
     ) -> None:
+        """``ids``: the replicas of ``views()`` without their views (default: from them);
+        the index is read for these, the views are taken after the reads."""
         self.policy = policy
         self.index = index
         self._views = views
+        self._ids = ids if ids is not None else (lambda: [v.id for v in views()])
         self.metrics = metrics
         self.core = RoutingCore(policy, rng)  # the resident window is the policy's
         self.clock = clock
@@ -133,7 +137,7 @@ class Router:
         (no herding on a stale snapshot).
         """
         now_s = self.clock()
-        ids = [v.id for v in self._views()]
+        ids = self._ids()
         empty: dict[ReplicaId, PrefixMatch] = {}
         core = self.core
         fresh = core.resident_fresh(now_s)

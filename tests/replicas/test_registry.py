@@ -354,3 +354,8 @@ async def test_start_and_stop_run_the_loops() -> None:
             while reg.get(B).state is not ReplicaState.ACTIVE or reg.get(A).reported_running != 3:  # type: ignore[union-attr]
                 await asyncio.sleep(0.01)
         await reg.stop()
+
+
+async def test_ids_are_the_views_replicas_in_their_order() -> None:
+    async with harness(A, B) as h:
+        assert h.reg.ids() == tuple(v.id for v in h.reg.views()) and len(h.reg.ids()) == 2
