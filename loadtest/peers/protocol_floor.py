@@ -19,9 +19,12 @@ remains of a Python gateway's cost when its HTTP work is done in protocol callba
 
 ``python-floor-protocol-aiohttp`` (``--client aiohttp``) keeps this server and sends upstream
 through ``aiohttp`` as ``python-floor`` does: the two rows split the stack's cost between
-its server side (uvicorn's ASGI) and its client side (aiohttp).
+its server side (uvicorn's ASGI) and its client side (aiohttp). ``python-floor-protocol-pull``
+(``--client pull``) keeps the Protocol client but hands each chunk to a task through a
+future, as a pull-model client does: it splits the client side's cost between the task
+wake-ups and aiohttp's own code.
 
-    python -m loadtest.peers.protocol_floor --port 31900 --replica http://127.0.0.1:31001 [--replica ...] [--client aiohttp]
+    python -m loadtest.peers.protocol_floor --port 31900 --replica http://127.0.0.1:31001 [--replica ...] [--client pull|aiohttp]
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 from collections.abc import Sequence
 from http import HTTPStatus
+from typing import Protocol
 
 import aiohttp
 import httptools
@@ -40,6 +44,14 @@ from loadtest.peers.python_floor import HOP, SESSION_HEADER, Replicas
 REASONS = {s.value: s.phrase.encode("latin-1") for s in HTTPStatus}
 
 
+class Sink(Protocol):
+    """Where an upstream connection writes the answer it relays (a ``Front``, a ``PullSink``)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def done(self, close: bool) -> None: ...
+
+
 class Pool:
     """Idle keep-alive connections to one replica."""
 
@@ -47,9 +59,9 @@ class Pool:
         hostport = url.removeprefix("http://").rstrip("/")
         host, _, port = hostport.partition(":")
         self.host, self.port, self.host_header = host, int(port or 80), b"host: " + hostport.encode() + b"\r\n"
-        self.idle: list[Upstream] = []
+        self.idle: list[UpstreamConnection] = []
 
-    def send(self, front: Front, request: list[bytes]) -> None:
+    def send(self, front: Sink, request: list[bytes]) -> None:
         while self.idle:
             up = self.idle.pop()
             if not up.closed:
@@ -57,9 +69,9 @@ class Pool:
                 return
         asyncio.ensure_future(self._connect(front, request))
 
-    async def _connect(self, front: Front, request: list[bytes]) -> None:
+    async def _connect(self, front: Sink, request: list[bytes]) -> None:
         try:
-            _, up = await asyncio.get_running_loop().create_connection(lambda: Upstream(self), self.host, self.port)
+            _, up = await asyncio.get_running_loop().create_connection(lambda: UpstreamConnection(self), self.host, self.port)
         except OSError:
             front.write(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n")
             front.done(True)
@@ -107,14 +119,58 @@ class AiohttpPool:
         front.done(False)
 
 
-class Upstream(asyncio.Protocol):
+class PullPool(Pool):
+    """``--client pull``: the Protocol client, but its answer handed to a task per request
+    through a future per chunk, as a pull-model client (aiohttp's ``StreamReader``) does:
+    what the task wake-ups cost without aiohttp's own code."""
+
+    def send(self, front: Sink, request: list[bytes]) -> None:
+        super().send(front if isinstance(front, PullSink) else PullSink(front), request)  # a resend keeps its sink
+
+
+class PullSink:
+    """Takes an answer's bytes as ``UpstreamConnection`` writes them; a task of its own relays them."""
+
+    def __init__(self, front: Sink) -> None:
+        self.front = front
+        self.parts: list[bytes] = []
+        self.ended: bool | None = None  # None: going on; else close the client's connection
+        self.waiter: asyncio.Future[None] | None = None
+        asyncio.ensure_future(self._relay())
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+        self._wake()
+
+    def done(self, close: bool) -> None:
+        self.ended = close
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def _relay(self) -> None:
+        while True:
+            if not self.parts and self.ended is None:
+                self.waiter = asyncio.get_running_loop().create_future()
+                await self.waiter
+            if self.parts:
+                data, self.parts = b"".join(self.parts), []
+                self.front.write(data)
+            if self.ended is not None and not self.parts:
+                self.front.done(self.ended)
+                return
+
+
+class UpstreamConnection(asyncio.Protocol):
     """One connection to a replica: sends one request at a time, relays its answer."""
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
-        self.front: Front | None = None
+        self.front: Sink | None = None
         self.request: list[bytes] = []
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunked = self.answered = self.closed = self.reused = False
@@ -122,7 +178,7 @@ class Upstream(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
 
-    def start(self, front: Front, request: list[bytes], reused: bool = False) -> None:
+    def start(self, front: Sink, request: list[bytes], reused: bool = False) -> None:
         assert self.transport is not None
         self.front, self.request, self.answered, self.reused = front, request, False, reused
         self.transport.writelines(request)
@@ -250,11 +306,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--replica", action="append", required=True)
-    parser.add_argument("--client", choices=("protocol", "aiohttp"), default="protocol")
+    parser.add_argument("--client", choices=("protocol", "pull", "aiohttp"), default="protocol")
     args = parser.parse_args(argv)
     replicas: Replicas[Pool] | Replicas[AiohttpPool]
     if args.client == "protocol":
         replicas = Replicas([Pool(url) for url in args.replica])
+    elif args.client == "pull":
+        replicas = Replicas[Pool]([PullPool(url) for url in args.replica])
     else:
         replicas = Replicas([AiohttpPool(url) for url in args.replica])
 

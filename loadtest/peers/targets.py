@@ -23,7 +23,11 @@ PYTHON_FLOOR = "python-floor"  # loadtest/peers/python_floor.py: a pass-through 
 PYTHON_FLOOR_GRANIAN = "python-floor-granian"  # the same app on Granian (pip install granian)
 PYTHON_FLOOR_PROTOCOL = "python-floor-protocol"  # loadtest/peers/protocol_floor.py: the same on asyncio Protocols
 PYTHON_FLOOR_PROTOCOL_AIOHTTP = "python-floor-protocol-aiohttp"  # that server, aiohttp as the client
-FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN, PYTHON_FLOOR_PROTOCOL, PYTHON_FLOOR_PROTOCOL_AIOHTTP)
+PYTHON_FLOOR_PROTOCOL_PULL = "python-floor-protocol-pull"  # that client's chunks pulled by a task
+PROTOCOL_CLIENTS = {PYTHON_FLOOR_PROTOCOL: "protocol", PYTHON_FLOOR_PROTOCOL_AIOHTTP: "aiohttp",
+                    PYTHON_FLOOR_PROTOCOL_PULL: "pull"}
+FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN, PYTHON_FLOOR_PROTOCOL, PYTHON_FLOOR_PROTOCOL_AIOHTTP,
+          PYTHON_FLOOR_PROTOCOL_PULL)
 
 
 def parse_targets(text: str) -> list[str]:
@@ -67,9 +71,9 @@ def _python_floor(target: str, workers: Sequence[str], log_dir: Path) -> Iterato
     replicas = [arg for w in workers for arg in ("--replica", w)]
     if target == PYTHON_FLOOR:
         cmd = ["-m", "loadtest.peers.python_floor", "--port", str(port), *replicas]
-    elif target in (PYTHON_FLOOR_PROTOCOL, PYTHON_FLOOR_PROTOCOL_AIOHTTP):
-        client = "aiohttp" if target == PYTHON_FLOOR_PROTOCOL_AIOHTTP else "protocol"
-        cmd = ["-m", "loadtest.peers.protocol_floor", "--port", str(port), "--client", client, *replicas]
+    elif target in PROTOCOL_CLIENTS:
+        cmd = ["-m", "loadtest.peers.protocol_floor", "--port", str(port), "--client", PROTOCOL_CLIENTS[target],
+               *replicas]
     else:
         cmd = ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--loop",
                "uvloop", "--http", "1", "--no-ws", "--log-level", "warning", "--factory",
@@ -102,6 +106,8 @@ def target_version(target: str) -> str:
         return "pass-through (asyncio Protocols+httptools)"
     if target == PYTHON_FLOOR_PROTOCOL_AIOHTTP:
         return "pass-through (asyncio Protocol server+aiohttp)"
+    if target == PYTHON_FLOOR_PROTOCOL_PULL:
+        return "pass-through (asyncio Protocols, chunks pulled by a task)"
     policy = kvgate_policy(target)
     return f"kvgate {policy}" if policy is not None else PEERS[target].version
 
