@@ -12,6 +12,12 @@ Each request is sent only once the one before it has been seen where it waits (t
 replica's /v1/loads counts it, or the gateway's ``kvgate_admission_held`` does), not after
 a fixed sleep: on a loaded machine B could otherwise reach the replica after C (CI run of
 stop 21: ``['A', 'C', 'B']`` without admission).
+
+Without admission C can still share B's last prefill chunk (the simulated scheduler's
+chunks span requests, as SGLang's do): both first tokens then come from the same step and
+reach the client in either order. That is not an overtaking, so the check without
+admission is that C's first token came no earlier than B's step (``SAME_STEP_S``, far
+below one 512-token chunk, ~0.2 s here); with admission C comes a whole prefill earlier.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import openai
 from loadtest.simulator.fleet import SimFleet
 from tests.integration.conftest import Gateway, GatewayFactory
 
+SAME_STEP_S = 0.05  # first tokens of one prefill step, as the client sees them
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 
 
@@ -34,11 +41,11 @@ def _prompt(seed: int, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def _first_token(oa: openai.AsyncOpenAI, name: str, text: str, order: list[str]) -> None:
+async def _first_token(oa: openai.AsyncOpenAI, name: str, text: str, order: list[tuple[str, float]]) -> None:
     stream = await oa.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2, stream=True)
     async for _chunk in stream:
-        order.append(name)
+        order.append((name, time.monotonic()))
         break
     async for _chunk in stream:
         pass
@@ -52,9 +59,10 @@ async def _until(what: str, seen: Callable[[], Awaitable[bool]], timeout_s: floa
         await asyncio.sleep(0.02)
 
 
-async def _race(gw: Gateway, replica: str, seed: int) -> list[str]:
+async def _race(gw: Gateway, replica: str, seed: int) -> list[tuple[str, float]]:
+    """The first tokens of A, B and C: (name, when the client saw it), in arrival order."""
     oa = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
-    order: list[str] = []
+    order: list[tuple[str, float]] = []
     async with httpx.AsyncClient(timeout=10.0) as http:
         async def at_replica() -> int:
             load = (await http.get(replica + "/v1/loads")).json()["loads"][0]
@@ -91,9 +99,15 @@ def test_a_short_turn_overtakes_a_cold_one_only_with_admission(make_gateway: Gat
     with SimFleet(1, profile="tiny", time_scale=0.25, seed=5, log_dir=tmp_path) as fleet:
         fifo = make_gateway(fleet.urls, "--set", "admission.enabled=false")
         try:
-            assert asyncio.run(_race(fifo, fleet.urls[0], 1)) == ["A", "B", "C"]
+            order = asyncio.run(_race(fifo, fleet.urls[0], 1))
         finally:
             fifo.proc.stop()
+        at = dict(order)
+        assert len(order) == 3 and order[0][0] == "A", order
+        assert at["C"] >= at["B"] - SAME_STEP_S, order  # C did not overtake B's prefill
         gated = make_gateway(fleet.urls, "--set", "admission.budget_tokens=16")
-        assert asyncio.run(_race(gated, fleet.urls[0], 11)) == ["A", "C", "B"]
+        order = asyncio.run(_race(gated, fleet.urls[0], 11))
+        assert [name for name, _ in order] == ["A", "C", "B"], order
+        at = dict(order)
+        assert at["B"] - at["C"] > SAME_STEP_S, order  # a whole prefill earlier, not the same step
         assert _waits(gated) >= 2  # B and C were held, and released by the budget
