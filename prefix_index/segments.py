@@ -222,10 +222,12 @@ class SegmentPrefixIndex(EmbeddedMethods):
                 held = hops[-1][2] if hops else 0
             pieces: list[_Segment] = []
             for seg, start, end in hops:
-                whole = end == seg.hi  # the segment itself moves; else its front becomes a new one
+                whole = end == seg.hi
                 lane.remove(seg, start, end)
-                piece = seg if whole else _Segment(chain, 0, start, end, end)
-                if not whole:
+                if whole:  # the segment itself moves
+                    piece = seg
+                else:  # its front becomes a new segment; the rest stays where it is
+                    piece = _Segment(chain, 0, start, end, end)
                     where.update(zip(chain[start:end], repeat(piece)))
                 pieces.append(piece)
             if held < n:  # the new blocks: the deepest piece grows (its run agrees with the chain)

@@ -32,7 +32,7 @@ import argparse
 import asyncio
 from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import aiohttp
 import httptools
@@ -42,6 +42,15 @@ from multidict import CIMultiDict
 from loadtest.peers.python_floor import HOP, SESSION_HEADER, Replicas
 
 REASONS = {s.value: s.phrase.encode("latin-1") for s in HTTPStatus}
+
+
+class Request(NamedTuple):
+    """A client's request as the Front parsed it (hop-by-hop headers and Host left out)."""
+
+    method: bytes
+    url: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
 
 
 class Sink(Protocol):
@@ -61,7 +70,13 @@ class Pool:
         self.host, self.port, self.host_header = host, int(port or 80), b"host: " + hostport.encode() + b"\r\n"
         self.idle: list[UpstreamConnection] = []
 
-    def send(self, front: Sink, request: list[bytes]) -> None:
+    def wire(self, request: Request) -> list[bytes]:
+        """The request's bytes for this replica: its head, then its body."""
+        headers = b"".join(b"%s: %s\r\n" % pair for pair in request.headers)
+        return [b"%s %s HTTP/1.1\r\n%s%scontent-length: %d\r\n\r\n" % (
+            request.method, request.url, self.host_header, headers, len(request.body)), request.body]
+
+    def send(self, front: Sink, request: Request) -> None:
         while self.idle:
             up = self.idle.pop()
             if not up.closed:
@@ -69,7 +84,7 @@ class Pool:
                 return
         asyncio.ensure_future(self._connect(front, request))
 
-    async def _connect(self, front: Sink, request: list[bytes]) -> None:
+    async def _connect(self, front: Sink, request: Request) -> None:
         try:
             _, up = await asyncio.get_running_loop().create_connection(lambda: UpstreamConnection(self), self.host, self.port)
         except OSError:
@@ -88,24 +103,19 @@ class AiohttpPool:
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
-        self.host_header = b""  # aiohttp sets Host itself
 
-    def send(self, front: Front, request: list[bytes]) -> None:
+    def send(self, front: Front, request: Request) -> None:
         asyncio.ensure_future(self._relay(front, request))
 
-    async def _relay(self, front: Front, request: list[bytes]) -> None:
+    async def _relay(self, front: Front, request: Request) -> None:
         if AiohttpPool.session is None:
             AiohttpPool.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=256), cookie_jar=aiohttp.DummyCookieJar(),
                 auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
                 trust_env=False)
-        head, body = request
-        line, _, rest = head.partition(b"\r\n")
-        headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, _, v in
-                              (h.partition(b": ") for h in rest.split(b"\r\n") if h)
-                              if k.lower() not in HOP)
+        headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers)
         try:
-            async with AiohttpPool.session.post(self.url + line.split(b" ")[1].decode(), data=body,
+            async with AiohttpPool.session.post(self.url + request.url.decode("latin-1"), data=request.body,
                                                 headers=headers) as answer:
                 out = [b"HTTP/1.1 %d %s\r\n" % (answer.status, REASONS.get(answer.status, b""))]
                 out += [k + b": " + v + b"\r\n" for k, v in answer.raw_headers if k.lower() not in HOP]
@@ -124,7 +134,7 @@ class PullPool(Pool):
     through a future per chunk, as a pull-model client (aiohttp's ``StreamReader``) does:
     what the task wake-ups cost without aiohttp's own code."""
 
-    def send(self, front: Sink, request: list[bytes]) -> None:
+    def send(self, front: Sink, request: Request) -> None:
         super().send(front if isinstance(front, PullSink) else PullSink(front), request)  # a resend keeps its sink
 
 
@@ -171,17 +181,17 @@ class UpstreamConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.front: Sink | None = None
-        self.request: list[bytes] = []
+        self.request: Request | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunked = self.answered = self.closed = self.reused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
 
-    def start(self, front: Sink, request: list[bytes], reused: bool = False) -> None:
+    def start(self, front: Sink, request: Request, reused: bool = False) -> None:
         assert self.transport is not None
         self.front, self.request, self.answered, self.reused = front, request, False, reused
-        self.transport.writelines(request)
+        self.transport.writelines(self.pool.wire(request))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -232,7 +242,7 @@ class UpstreamConnection(asyncio.Protocol):
         front, self.front = self.front, None
         if front is None:
             return
-        if not self.answered and self.reused:  # a kept-alive connection the replica had closed: send again
+        if not self.answered and self.reused and self.request is not None:  # a kept-alive one closed: send again
             self.pool.send(front, self.request)
         else:
             front.done(True)
@@ -246,7 +256,7 @@ class Front(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
-        self.headers: list[bytes] = []
+        self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.session = b""
 
@@ -271,7 +281,7 @@ class Front(asyncio.Protocol):
         if lower == SESSION_HEADER:
             self.session = value
         if lower not in HOP:
-            self.headers += (name, b": ", value, b"\r\n")
+            self.headers.append((name, value))
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -283,11 +293,8 @@ class Front(asyncio.Protocol):
             self.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             self.done(False)
             return
-        body = b"".join(self.body)
-        pool = self.replicas.pick(self.session)
-        head = b"%s %s HTTP/1.1\r\n%s%scontent-length: %d\r\n\r\n" % (
-            self.parser.get_method(), self.url, pool.host_header, b"".join(self.headers), len(body))
-        pool.send(self, [head, body])
+        request = Request(self.parser.get_method(), self.url, self.headers, b"".join(self.body))
+        self.replicas.pick(self.session).send(self, request)
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None

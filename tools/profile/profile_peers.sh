@@ -23,14 +23,14 @@ python -m gateway.cli bench peers --trace ../shared/traces/claude-code --replica
   --limit-sessions 128 --duration-s 60 --max-think-s 30 --targets "${TARGET:-kvgate}" "$@" \
   > "$OUT/peers-64.log" 2>&1 &
 BENCH=$!
+case "${TARGET:-kvgate}" in
+  python-floor) PATTERN="loadtest.peers.python_floor" ;;
+  python-floor-protocol*) PATTERN="loadtest.peers.protocol_floor" ;;
+  *) PATTERN="gateway.cli serve" ;;
+esac
 PID=""
 for _ in $(seq 1 180); do
   sleep 1
-  case "${TARGET:-kvgate}" in
-    python-floor) PATTERN="loadtest.peers.python_floor" ;;
-    python-floor-protocol*) PATTERN="loadtest.peers.protocol_floor" ;;
-    *) PATTERN="gateway.cli serve" ;;
-  esac
   PID="$(pgrep -f "$PATTERN" | head -1 || true)"
   [ -n "$PID" ] && break
 done

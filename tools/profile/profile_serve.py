@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from loadtest.bench_gateway import PROFILE, client_session, large_body, small_body, timed_post
-from loadtest.demo import GatewayProcess
 from loadtest.peers.overhead import SLOW_PROBES
 from loadtest.peers.targets import open_target
 from loadtest.simulator.fleet import SimFleet
@@ -148,24 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     suffix = "-native" if args.native else ""
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-profile-"))
     prefix = "" if args.target == "kvgate" else f"{args.target}-"
+    target = f"kvgate-{args.policy}" if args.target == "kvgate" else args.target
     with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir) as fleet, \
-            _target(args, fleet.urls, log_dir) as (url, pid):
+            open_target(target, fleet.urls, log_dir, SLOW_PROBES) as (url, pid):  # slow probes: kvgate's only
         for name, body in ((f"{prefix}small{suffix}", small_body()), (f"{prefix}{args.kb}KB{suffix}",
                                                                      large_body(args.kb))):
             print(profile_body(pid, url, name, body, args))
     return 0
 
-
-@contextlib.contextmanager
-def _target(args: argparse.Namespace, replicas: list[str], log_dir: Path) -> Iterator[tuple[str, int]]:
-    """(URL, pid) of the profiled process: ``kvgate serve`` (slow probes) or a floor."""
-    if args.target != "kvgate":
-        with open_target(args.target, replicas, log_dir) as opened:
-            yield opened
-        return
-    with GatewayProcess(args.policy, replicas, SLOW_PROBES, log_dir=log_dir) as gw:
-        assert gw.proc is not None
-        yield gw.url, gw.proc.pid
 
 
 if __name__ == "__main__":
