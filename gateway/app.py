@@ -3,8 +3,8 @@
 ``create_app(settings)`` builds an app whose lifespan owns every long-lived object,
 kept on ``app.state.gateway`` (a ``Gateway``), never in module globals:
 
-- the request path's upstream client (``gateway.upstream.AiohttpUpstream``: one
-  aiohttp session with a bounded pool; it carries no default headers of its own, so the
+- the request path's upstream client (``upstream.client``: ``gateway.h1_upstream.H1Upstream``
+  by default, or ``gateway.upstream.AiohttpUpstream``; both a bounded pool; it carries no default headers of its own, so the
   replica sees the client's headers, cleaned by ``relay.upstream_headers``), and one
   shared ``httpx.AsyncClient`` for probes (unit tests inject a transport into it, and
   the request path then goes through it too),
@@ -50,6 +50,7 @@ from gateway.bodies import read_body
 from gateway.client_watch import ClientWatch
 from gateway.context import build_context
 from gateway.errors import GatewayError
+from gateway.h1_upstream import H1Upstream
 from gateway.kv_wiring import attach_precise
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_document
@@ -67,6 +68,7 @@ from gateway.router import LOCAL_SESSIONS, FleetListener, Router
 from gateway.scaling import ScaleLoop, make_annotator
 from gateway.settings import Settings
 from gateway.upstream import AiohttpUpstream, HttpxUpstream, Upstream
+from gateway.upstream_config import UpstreamConfig
 from policies.framework import Pipeline
 from policies.registry import make_policy
 from prefix_index.base import PrefixIndex
@@ -87,7 +89,7 @@ def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None =
 
     ``transport`` replaces the network (unit tests inject ``httpx.MockTransport``); the
     request path then goes through this client too (``HttpxUpstream``), else through
-    ``AiohttpUpstream``."""
+    ``make_upstream``'s."""
     timeout = httpx.Timeout(connect=settings.upstream.connect_timeout_s, read=settings.upstream.read_timeout_s,
                             write=settings.upstream.read_timeout_s, pool=settings.upstream.first_byte_timeout_s)
     limits = httpx.Limits(max_connections=settings.upstream.max_connections,
@@ -218,6 +220,11 @@ class Gateway:
         self.metrics.ejections(self.registry.ejections_total, (v.id for v in self.registry.views()))
 
 
+def make_upstream(config: UpstreamConfig) -> Upstream:
+    """The request path's client of ``upstream.client``."""
+    return H1Upstream(config) if config.client == "h1" else AiohttpUpstream(config)
+
+
 def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> Gateway:
     client = make_client(settings, transport)
     index = make_index(settings.index)
@@ -227,7 +234,7 @@ def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None
     # the network's own clients unless a test replaced the network (then all goes through ``client``)
     probes = AiohttpGetter() if transport is None else None
     registry = Registry(settings.registry, client, shared=shared, clock=time.time, probes=probes)
-    upstream = AiohttpUpstream(settings.upstream) if transport is None else None
+    upstream = make_upstream(settings.upstream) if transport is None else None
     return Gateway(settings, client, index, registry, policy, shared_state=shared is not None, upstream=upstream)
 
 

@@ -8,7 +8,9 @@ body not complete within ``body_timeout_s`` of the headers -> 408, close, and th
 sees ``http.disconnect``. At ``max_connections`` a new connection evicts the longest-idle
 one (no request in progress; as nginx reuses idle keep-alive connections) and is refused
 with 503 only when none is idle, so ``/ready`` answers with thousands of idle sockets
-open. Parser rejections (ambiguous framing, bad syntax) get an OpenAI-shaped 400.
+open. Parser rejections (ambiguous framing, bad syntax) get an OpenAI-shaped 400. Each
+request's scope carries the push relay's ``ChunkWriter`` (``gateway/push_relay.py``), and
+the connection tells that relay when the client's transport pauses and resumes writing.
 
 ``Edge`` is the state of one process's client edge that the protocol, the ASGI front and
 the server share (``gateway/server.py``). ``connection_limit`` clamps
@@ -28,6 +30,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.errors import error_body
+from gateway.push_relay import PUSH_EXTENSION, ChunkWriter, WritingListener
 from gateway.settings import ServerConfig
 
 if TYPE_CHECKING:
@@ -130,6 +133,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self.deadline: TimerHandle | None = None
         self.busy = False  # a request is in progress (first byte .. response complete)
         self.counted = False
+        self.writing_listener: WritingListener | None = None  # a push relay's flow control
 
     # ----------------------------------------------------------------- connections
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -213,8 +217,24 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # (not an upgrade): the push relay's writer
+            self.scope.setdefault("extensions", {})[PUSH_EXTENSION] = ChunkWriter(cycle, self._listen)  # type: ignore[assignment]
         if not self.transport.is_closing() and not self.pipeline:  # a queued request waits its turn
             self._arm(self.edge.config.body_timeout_s, "body_timeout")
+
+    def _listen(self, listener: WritingListener | None) -> None:
+        self.writing_listener = listener
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.writing_listener is not None:
+            self.writing_listener(False)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.writing_listener is not None:
+            self.writing_listener(True)
 
     def on_message_complete(self) -> None:
         self._disarm()

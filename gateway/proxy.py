@@ -55,15 +55,18 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from starlette.responses import Response
 
 from gateway.admission import Admission, AdmissionConfig
 from gateway.errors import GatewayError, NoReplicaAvailable, UpstreamError, UpstreamTimeout
+from gateway.h1_upstream import H1Response
 from gateway.metrics import GatewayMetrics
+from gateway.push_relay import ChunkWriter, PushRun
 from gateway.relay import (
+    PushableStream,
     RelayResponse,
     Usage,
     UsageSniffer,
@@ -346,8 +349,8 @@ class Proxy:
         out_headers = self._response_headers(attempt)
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             attempt.sniffer = UsageSniffer()
-            return RelayResponse(self._relay(attempt, first, chunks), status, out_headers,
-                                 lambda: self._stream_closed(attempt))
+            relayed = _Stream(attempt, first, lambda: self._relay(attempt, first, chunks), cfg.stall_timeout_s)
+            return RelayResponse(relayed, status, out_headers, lambda: self._stream_closed(attempt))
         return await self._buffered(attempt, first, chunks, out_headers)
 
     @staticmethod
@@ -401,6 +404,7 @@ class Proxy:
                               attempt.ctx.endpoint)
 
     async def _relay(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The pull relay: each chunk for an ASGI send (the push relay is ``_Stream.push``)."""
         sniffer = attempt.sniffer
         assert sniffer is not None
         stall_s = self.cfg.stall_timeout_s
@@ -422,10 +426,7 @@ class Proxy:
             stalled = watch.stalled(exc)  # this watch's own cancellation, taken back
             if isinstance(exc, asyncio.CancelledError) and not stalled:
                 raise
-            what = f"stalled for {stall_s:g} s" if stalled or _stalled(exc) else f"failed mid-stream ({exc})"
-            attempt.stream_error = f"replica {attempt.decision.replica} {what}"
-            yield (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error(attempt.stream_error,
-                                                                             api=attempt.ctx.endpoint)
+            yield _stream_broke(attempt, exc, stalled or _stalled(exc), stall_s, last.endswith(b"\n\n"))
             return
         finally:
             watch.close()
@@ -479,6 +480,51 @@ class Proxy:
             itl = (attempt.last_byte_s - attempt.first_byte_s) / (outcome.completion_tokens - 1)
         metrics.timing(outcome.ttft_s, itl)
         await self.router.completed(attempt.ctx, attempt.decision, outcome)
+
+
+class _Stream(PushableStream):
+    """A relayed answer after its first chunk: pulled through the proxy's generator, or
+    pushed when the upstream answer can push (``H1Response``) and the edge can write."""
+
+    __slots__ = ("_pull", "_pulled", "attempt", "first", "stall_s")
+
+    def __init__(self, attempt: Attempt, first: bytes, pull: Callable[[], AsyncIterator[bytes]],
+                 stall_s: float) -> None:
+        self.attempt, self.first, self.stall_s = attempt, first, stall_s
+        self._pull = pull
+        self._pulled: AsyncIterator[bytes] | None = None
+
+    async def __anext__(self) -> bytes:
+        if self._pulled is None:
+            self._pulled = self._pull()
+        return await anext(self._pulled)
+
+    def can_push(self) -> bool:
+        return isinstance(self.attempt.response, H1Response)
+
+    async def push(self, writer: ChunkWriter) -> None:
+        attempt = self.attempt
+        sniffer, response = attempt.sniffer, attempt.response
+        assert sniffer is not None and isinstance(response, H1Response)
+        writer.write(self.first)
+        sniffer.feed(self.first)
+        try:
+            await PushRun(response, writer, self.stall_s, sniffer.feed).run()
+        except (TimeoutError, UpstreamFailure) as exc:
+            writer.write(_stream_broke(attempt, exc, _stalled(exc), self.stall_s, writer.boundary))
+            return
+        finally:
+            attempt.last_byte_s = time.perf_counter()
+        attempt.complete = True
+
+
+def _stream_broke(attempt: Attempt, exc: BaseException, stalled: bool, stall_s: float, boundary: bool) -> bytes:
+    """A stream that broke or stalled after its first byte: noted on the attempt; the
+    bytes that end it for the client (an SSE error event in the request's API, and
+    ``[DONE]`` for OpenAI's)."""
+    what = f"stalled for {stall_s:g} s" if stalled else f"failed mid-stream ({exc})"
+    attempt.stream_error = f"replica {attempt.decision.replica} {what}"
+    return (b"" if boundary else b"\n\n") + sse_error(attempt.stream_error, api=attempt.ctx.endpoint)
 
 
 async def _next_chunk(chunks: AsyncIterator[bytes], limit_s: float) -> bytes | None:

@@ -12,7 +12,8 @@
   ``x-kvgate-*``, credentials; ``X-Forwarded-*`` added), ``downstream_headers`` (the
   replica's, cleaned), the routing headers; ``json_response`` / ``error_response`` (errors in the request's API's shape).
 - ``RelayResponse``: the relayed stream; its cleanup always runs (end, error, client
-  disconnect), shielded from cancellation.
+  disconnect), shielded from cancellation. Its content is pushed when it can be
+  (``gateway/push_relay.py``), else pulled.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.client_watch import ClientWatch
 from gateway.errors import GatewayError, UpstreamError, anthropic_error_body, api_of, error_body
+from gateway.push_relay import PUSH_EXTENSION, ChunkWriter
 from gateway.upstream_config import UpstreamConfig
 
 HOP_BY_HOP = frozenset({
@@ -238,13 +240,27 @@ def sse_error(message: str, type_: str = UpstreamError.type, code: str | int = 5
     return b"data: " + orjson.dumps(error_body(message, type_, code)) + b"\n\ndata: [DONE]\n\n"
 
 
+class PushableStream(AsyncIterator[bytes]):
+    """A stream that may also write itself into the client's transport."""
+
+    def can_push(self) -> bool:
+        return False
+
+    async def push(self, writer: ChunkWriter) -> None:
+        """Write every chunk with ``writer`` (all but the response's last, empty one)."""
+        raise NotImplementedError
+
+
 class RelayResponse(Response):
     """A relayed stream: the head, then each chunk of ``body_iterator`` as it comes.
 
-    It ends when the iterator does, or when the client leaves (``ClientWatch`` cancels the
-    relay; the replica's request is then closed by ``on_close``); ``on_close`` always runs,
-    shielded from cancellation. Plain asyncio: no anyio task group per stream (Starlette's
-    ``StreamingResponse`` starts one, with two tasks, to watch for the disconnect)."""
+    Pushed (``content.push``) when the server handed a ``ChunkWriter`` (the scope's
+    ``PUSH_EXTENSION``: kvgate's own edge) and the content can push; else each chunk goes
+    through ASGI ``send``. It ends when the content does, or when the client leaves
+    (``ClientWatch`` cancels the relay; the replica's request is then closed by
+    ``on_close``); ``on_close`` always runs, shielded from cancellation. Plain asyncio: no
+    anyio task group per stream (Starlette's ``StreamingResponse`` starts one, with two
+    tasks, to watch for the disconnect)."""
 
     def __init__(self, content: AsyncIterator[bytes], status_code: int,
                  headers: Mapping[str, str] | list[tuple[bytes, bytes]],
@@ -264,8 +280,14 @@ class RelayResponse(Response):
             async with ClientWatch(receive):
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-                async for chunk in self.body_iterator:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                content = self.body_iterator
+                writer = scope.get("extensions", {}).get(PUSH_EXTENSION)
+                if isinstance(content, PushableStream) and writer is not None and writer.ready() \
+                        and content.can_push():
+                    await content.push(writer)
+                else:
+                    async for chunk in content:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await asyncio.shield(self._on_close())

@@ -32,6 +32,7 @@ from uvicorn.server import Server
 
 from gateway.edge import Edge, EdgeServerState
 from gateway.errors import anthropic_error_body, api_of, endpoint_of, error_body
+from gateway.push_relay import PUSH_EXTENSION, ChunkWriter
 from gateway.relay import sse_error
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class EdgeApp:
         task = current_task()
         edge.active += counted
         edge.requests.add(task)  # type: ignore[arg-type]  # always inside a task here
-        relay = _Relay(send, edge, scope["path"])
+        relay = _Relay(send, edge, scope["path"], scope.get("extensions", {}).get(PUSH_EXTENSION))
         try:
             await self.app(scope, receive, relay.send)
         except asyncio.CancelledError:
@@ -134,10 +135,11 @@ class EdgeApp:
 class _Relay:
     """Wraps ``send`` to see what the response is (SSE or not, started, complete)."""
 
-    __slots__ = ("boundary", "done", "edge", "path", "sse", "started", "upstream")
+    __slots__ = ("boundary", "done", "edge", "path", "pushed", "sse", "started", "upstream")
 
-    def __init__(self, upstream: Send, edge: Edge, path: str) -> None:
-        self.upstream, self.edge, self.path = upstream, edge, path
+    def __init__(self, upstream: Send, edge: Edge, path: str, pushed: ChunkWriter | None = None) -> None:
+        """``pushed``: the request's push relay writer (its bytes bypass ``send``)."""
+        self.upstream, self.edge, self.path, self.pushed = upstream, edge, path, pushed
         self.started = self.sse = self.done = False
         self.boundary = True  # the bytes sent so far end between two SSE events
 
@@ -171,7 +173,9 @@ class _Relay:
                                      "body": edge_error(self.path, 503, message, "server_shutdown",
                                                          "server_shutdown")})
                 elif self.sse and not self.done:
-                    body = (b"" if self.boundary else b"\n\n") + shutdown_event(message, endpoint_of(self.path))
+                    # (one of the two paths wrote the body: both must say it ended between events)
+                    boundary = self.boundary and (self.pushed is None or self.pushed.boundary)
+                    body = (b"" if boundary else b"\n\n") + shutdown_event(message, endpoint_of(self.path))
                     await self.send({"type": "http.response.body", "body": body, "more_body": False})
                     if self.edge.metrics is not None:
                         self.edge.metrics.streams_cut_at_shutdown.inc()

@@ -6,10 +6,18 @@ draws which timeout bounds which phase of a request and what happens when it fir
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, SecretStr
 
 
 class UpstreamConfig(BaseModel):
+    client: Literal["h1", "aiohttp"] = Field(
+        default="h1",
+        description="the request path's HTTP client: 'h1' (kvgate's own, asyncio Protocols + httptools; "
+        "streamed answers are pushed to the client as they are parsed, gateway/push_relay.py) or 'aiohttp' "
+        "(every chunk pulled through ASGI)",
+    )
     connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect to a replica")
     head_timeout_s: float = Field(
         default=10.0, gt=0,

@@ -1,4 +1,5 @@
-"""The request path's client (gateway.upstream.AiohttpUpstream) against a tiny HTTP server on 127.0.0.1."""
+"""The request path's clients (gateway.upstream.AiohttpUpstream, gateway.h1_upstream.H1Upstream) against a
+tiny HTTP server on 127.0.0.1: one contract, every test run against both."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from gateway.upstream import AiohttpUpstream, ConnectFailed, Disconnected
+from gateway.h1_upstream import H1Upstream
+from gateway.upstream import AiohttpUpstream, ConnectFailed, Disconnected, Upstream
 from gateway.upstream_config import UpstreamConfig
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -54,18 +56,24 @@ async def echo_keepalive(reader: asyncio.StreamReader, writer: asyncio.StreamWri
         await writer.drain()
 
 
-async def _read_all(pool: AiohttpUpstream, url: str, body: bytes) -> tuple[int, bytes, str]:
+async def _read_all(pool: Upstream, url: str, body: bytes) -> tuple[int, bytes, str]:
     response = await pool.send(url, "/v1/chat/completions", body, [(b"content-type", b"application/json")])
     data = b"".join([chunk async for chunk in response.aiter_raw()])
     await response.aclose()
     return response.status_code, data, response.headers.get("Content-Type")
 
 
-def client() -> AiohttpUpstream:
-    return AiohttpUpstream(UpstreamConfig(connect_timeout_s=5.0))
+MakeClient = Callable[[], Upstream]
+CLIENTS: dict[str, type[AiohttpUpstream | H1Upstream]] = {"aiohttp": AiohttpUpstream, "h1": H1Upstream}
 
 
-async def test_keepalive_reuses_one_connection() -> None:
+@pytest.fixture(params=sorted(CLIENTS))
+def client(request: pytest.FixtureRequest) -> MakeClient:
+    kind = CLIENTS[request.param]
+    return lambda: kind(UpstreamConfig(connect_timeout_s=5.0))
+
+
+async def test_keepalive_reuses_one_connection(client: MakeClient) -> None:
     async with server(echo_keepalive) as (url, connections):
         pool = client()
         for i in range(3):
@@ -76,7 +84,7 @@ async def test_keepalive_reuses_one_connection() -> None:
         await pool.close()
 
 
-async def test_chunked_stream_arrives_in_pieces() -> None:
+async def test_chunked_stream_arrives_in_pieces(client: MakeClient) -> None:
     async def sse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -98,7 +106,7 @@ async def test_chunked_stream_arrives_in_pieces() -> None:
         await pool.close()
 
 
-async def test_informational_answers_are_skipped_and_never_leak() -> None:
+async def test_informational_answers_are_skipped_and_never_leak(client: MakeClient) -> None:
     """100 Continue and 103 Early Hints before each answer: every request gets its own."""
     async def hints(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -117,7 +125,7 @@ async def test_informational_answers_are_skipped_and_never_leak() -> None:
         await pool.close()
 
 
-async def test_close_delimited_body_is_read_to_the_end() -> None:
+async def test_close_delimited_body_is_read_to_the_end(client: MakeClient) -> None:
     async def close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n")
@@ -135,7 +143,7 @@ async def test_close_delimited_body_is_read_to_the_end() -> None:
         await pool.close()
 
 
-async def test_no_headers_of_its_own() -> None:
+async def test_no_headers_of_its_own(client: MakeClient) -> None:
     seen: list[bytes] = []
 
     async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -153,7 +161,7 @@ async def test_no_headers_of_its_own() -> None:
     assert names == {b"host", b"content-length", b"x-custom"}
 
 
-async def test_failures_are_classified() -> None:
+async def test_failures_are_classified(client: MakeClient) -> None:
     async with server(echo_keepalive) as (url, _):
         pass  # closed: nothing listens on that port any more
     pool = client()
@@ -180,7 +188,7 @@ async def test_failures_are_classified() -> None:
     await pool.close()
 
 
-async def test_cancelled_request_closes_its_connection() -> None:
+async def test_cancelled_request_closes_its_connection(client: MakeClient) -> None:
     gone = asyncio.Event()
 
     async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -199,7 +207,7 @@ async def test_cancelled_request_closes_its_connection() -> None:
         await pool.close()
 
 
-async def test_connection_closed_by_the_replica_is_replaced() -> None:
+async def test_connection_closed_by_the_replica_is_replaced(client: MakeClient) -> None:
     async def one_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         body = await _read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))

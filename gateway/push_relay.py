@@ -1,0 +1,148 @@
+"""The push relay: a streamed answer's chunks written to the client as they are parsed.
+
+The pull relay (``RelayResponse`` iterating the proxy's generator) costs, per SSE event,
+a task wake-up and a future in the upstream client, an async generator step, and an
+ASGI ``send`` through three wrappers into uvicorn's cycle. The push relay does none of
+that. The upstream connection (``gateway.h1_upstream``) hands each parsed chunk to a
+``PushRun`` from its own ``data_received``; the run writes the chunk, framed as HTTP
+chunked encoding, into the client's transport through the connection's ``ChunkWriter``,
+and feeds the usage sniffer. The request's task only waits for the end.
+
+``ChunkWriter`` is what ``EdgeProtocol`` (gateway/edge.py) hands the app for each
+request, as the ASGI scope extension ``PUSH_EXTENSION``. It writes only while the head is
+sent, chunked, the response is not complete and the client is there. Everything else
+stays on the ASGI path: the head, the last chunk (``0\\r\\n\\r\\n``, uvicorn's keep-alive
+bookkeeping) and the shutdown cut's event. ``boundary`` tells the cut whether the pushed
+bytes ended between two events.
+
+What the run keeps, as the pull relay does:
+
+- **Flow control.** When the client's transport pauses writing (its buffer is over the
+  high-water mark), reading from the replica pauses, and resumes with it.
+- **The stall bound.** One timer per stream. A replica silent for ``stall_s`` ends the
+  stream with ``TimeoutError``. Time the relay spends paused for the client does not
+  count as the replica's silence.
+- **The client leaving and the shutdown cut** cancel the waiting task (``ClientWatch``,
+  ``GatewayServer``). The run then detaches from the connection, which the proxy's
+  cleanup closes.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    from gateway.h1_upstream import PushSink
+
+PUSH_EXTENSION = "kvgate.push"
+
+
+class WritingListener(Protocol):
+    def __call__(self, writable: bool) -> None: ...
+
+
+class ChunkWriter:
+    """Writes body chunks of one response straight into the client's transport."""
+
+    __slots__ = ("boundary", "cycle", "listen")
+
+    def __init__(self, cycle: RequestResponseCycle, listen: Callable[[WritingListener | None], None]) -> None:
+        """``listen``: registers the listener of the connection's pause/resume writing."""
+        self.cycle = cycle
+        self.listen = listen
+        self.boundary = True  # the pushed bytes so far end between two SSE events
+
+    def ready(self) -> bool:
+        """The head is sent, the body chunked, the response not complete, the client there."""
+        c = self.cycle
+        return (c.response_started and c.chunked_encoding is True and not c.response_complete
+                and not c.disconnected and not c.transport.is_closing())
+
+    def write(self, data: bytes) -> None:
+        c = self.cycle
+        if data and not (c.disconnected or c.response_complete or c.transport.is_closing()):
+            c.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self.boundary = data.endswith(b"\n\n")
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.cycle.flow.write_paused)
+
+
+class PushSource(Protocol):
+    """An upstream answer that can push its chunks (``gateway.h1_upstream.H1Response``)."""
+
+    def push(self, sink: PushSink) -> None: ...
+
+    def unpush(self) -> None: ...
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+class PushRun:
+    """One pushed stream: the sink of the upstream answer, the stall timer, flow control."""
+
+    __slots__ = ("_loop", "_timer", "done", "feed", "last", "paused", "source", "stall_s", "writer")
+
+    def __init__(self, source: PushSource, writer: ChunkWriter, stall_s: float, feed: Callable[[bytes], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.source, self.writer, self.stall_s, self.feed = source, writer, stall_s, feed
+        self.done: asyncio.Future[None] = self._loop.create_future()
+        self.last = self._loop.time()
+        self.paused = False
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self.last + stall_s, self._check)
+
+    async def run(self) -> None:
+        """Relay until the answer ends; raises ``UpstreamFailure`` (it broke) or
+        ``TimeoutError`` (it stalled); a cancellation detaches and goes on."""
+        writer = self.writer
+        writer.listen(self.writable)
+        try:
+            if writer.paused:
+                self.writable(False)
+            self.source.push(self)
+            await self.done
+        finally:
+            writer.listen(None)
+            self.source.unpush()
+            self.source.resume_reading()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    # ---------------------------------------------------------------- the sink
+    def chunk(self, data: bytes) -> None:
+        self.last = self._loop.time()
+        self.writer.write(data)
+        self.feed(data)
+
+    def end(self, error: BaseException | None) -> None:
+        if not self.done.done():
+            if error is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(error)
+
+    # ---------------------------------------------------------------- flow control, stall
+    def writable(self, writable: bool) -> None:
+        """The client's transport paused (False) or resumed (True) writing."""
+        self.paused = not writable
+        if writable:
+            self.last = self._loop.time()  # the silence is counted from the resume
+            self.source.resume_reading()
+        else:
+            self.source.pause_reading()
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        due = self.last + self.stall_s
+        if not self.paused and now >= due:
+            self._timer = None
+            self.end(TimeoutError(f"no data for {self.stall_s:g} s"))
+            return
+        self._timer = self._loop.call_at(due if due > now else now + self.stall_s, self._check)
