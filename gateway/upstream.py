@@ -1,7 +1,9 @@
 """The HTTP client of the request path: aiohttp behind a small ``Upstream`` Protocol.
 
 The proxy sends the original body bytes to ``replica + path`` and reads the answer as
-raw bytes. Production uses ``AiohttpUpstream``: one ``aiohttp.ClientSession`` per
+raw bytes. Production uses ``gateway.h1_upstream.H1Upstream`` by default
+(``upstream.client = "h1"``: asyncio Protocols + httptools, with the push relay) or
+``AiohttpUpstream`` (``"aiohttp"``): one ``aiohttp.ClientSession`` per
 gateway process, a bounded ``TCPConnector`` (``upstream.max_connections`` in all,
 ``upstream.max_connections_per_replica`` per replica, idle connections closed after
 ``upstream.keepalive_timeout_s``, under uvicorn's 5 s, so the gateway never writes into a
