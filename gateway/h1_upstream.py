@@ -55,6 +55,7 @@ MAX_HEAD_BYTES = 64 * 1024  # a response head (status line and headers) at most
 PAUSE_BYTES = 1024 * 1024  # a pulled body buffered beyond this pauses reading
 FRAMING = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect"})
 _BAD = (b"\r", b"\n", b"\0")
+_NOT_IN_NAMES = (b":", b" ", b"\t")  # (a name with a space could be read as framing by a lenient server)
 
 
 class PushSink(Protocol):
@@ -70,10 +71,11 @@ class PushSink(Protocol):
 class _Replica:
     """One replica's pool: where to connect, idle connections (newest last), use count."""
 
-    __slots__ = ("busy", "host", "host_header", "idle", "port")
+    __slots__ = ("base", "busy", "host", "host_header", "idle", "port")
 
-    def __init__(self, host: str, port: int, host_header: bytes) -> None:
-        self.host, self.port, self.host_header = host, port, host_header
+    def __init__(self, host: str, port: int, host_header: bytes, base: str = "") -> None:
+        """``base``: the URL's own path, before the request's (as aiohttp's ``replica + path``)."""
+        self.host, self.port, self.host_header, self.base = host, port, host_header, base
         self.idle: deque[_Connection] = deque()
         self.busy = 0
 
@@ -358,7 +360,8 @@ class H1Upstream:
             raise ConnectFailed(f"bad replica URL {url!r}")
         else:
             netloc = parts.netloc.rsplit("@", 1)[-1]
-            found = _Replica(host, port or 80, netloc.encode("ascii") if netloc.isascii() else netloc.encode("idna"))
+            found = _Replica(host, port or 80, netloc.encode("ascii") if netloc.isascii() else netloc.encode("idna"),
+                             parts.path.rstrip("/"))
         if len(self._replicas) > 4096:
             self._replicas = {k: v for k, v in self._replicas.items() if v is not None and (v.busy or v.idle)}
         self._replicas[url] = found
@@ -371,7 +374,7 @@ class H1Upstream:
             if self._fallback is None:
                 self._fallback = AiohttpUpstream(self.config)
             return await self._fallback.send(replica, path, body, headers)
-        wire = _wire(path, target.host_header, len(body), headers)
+        wire = _wire(target.base + path, target.host_header, len(body), headers)
         conn = await self._acquire(target)
         try:
             return await conn.request(wire, body)
@@ -510,7 +513,7 @@ def _wire(path: str, host: bytes, length: int, headers: list[tuple[bytes, bytes]
     for name, value in headers:
         if name.lower() in FRAMING:
             continue
-        if any(c in name or c in value for c in _BAD) or b":" in name or not name:
+        if any(c in name or c in value for c in _BAD) or any(c in name for c in _NOT_IN_NAMES) or not name:
             raise Disconnected(f"cannot send header {name!r}")
         parts += (name, b": ", value, b"\r\n")
     parts.append(b"\r\n")

@@ -103,9 +103,9 @@ class PushRun:
         writer = self.writer
         writer.listen(self.writable)
         try:
+            self.source.push(self)  # (resumes reading: a pulled body may have paused it)
             if writer.paused:
                 self.writable(False)
-            self.source.push(self)
             await self.done
         finally:
             writer.listen(None)

@@ -445,7 +445,10 @@ async def test_malformed_answer_is_disconnected(bad: bytes) -> None:
     [(b"x\na", b"1")],
     [(b"x\0", b"1")],
     [(b"x-ok", b"1"), (b"x-a", b"1\r\n\r\nPOST /smuggled HTTP/1.1")],
-], ids=["value-crlf", "value-lf", "value-cr", "value-nul", "name-crlf", "name-lf", "name-nul", "after-a-good-one"])
+    [(b"transfer-encoding ", b"chunked")],
+    [(b"x\ta", b"1")],
+], ids=["value-crlf", "value-lf", "value-cr", "value-nul", "name-crlf", "name-lf", "name-nul", "after-a-good-one",
+        "name-space", "name-tab"])
 async def test_header_with_cr_lf_or_nul_is_refused_before_anything_is_sent(
         headers: list[tuple[bytes, bytes]]) -> None:
     got: list[bytes] = []

@@ -220,3 +220,20 @@ async def test_connection_closed_by_the_replica_is_replaced(client: MakeClient) 
         assert (await _read_all(pool, url, b"b"))[1] == b"b"
         assert len(connections) == 2
         await pool.close()
+
+
+async def test_the_replica_urls_own_path_comes_first(client: MakeClient) -> None:
+    seen: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await _read_head(reader)
+        seen.append(head.split(b"\r\n")[0])
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await writer.drain()
+
+    async with server(record) as (url, _):
+        pool = client()
+        response = await pool.send(url + "/base", "/v1/x", b"{}", [])
+        await response.aclose()
+        await pool.close()
+    assert seen == [b"POST /base/v1/x HTTP/1.1"]
