@@ -254,8 +254,6 @@ class _Connection(asyncio.Protocol):
                 raise Disconnected("the replica switched protocols")
             self.informational = True  # skipped; its message ends at once
             return
-        if self.headed:  # a second final answer: the stream is out of step
-            raise Disconnected("more than one answer to a request")
         response = self.response
         assert response is not None and self.head is not None
         self.headed = True
