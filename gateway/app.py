@@ -50,6 +50,7 @@ from gateway.bodies import read_body
 from gateway.client_watch import ClientWatch
 from gateway.context import build_context
 from gateway.errors import GatewayError
+from gateway.h1_probes import H1Getter
 from gateway.h1_upstream import H1Upstream
 from gateway.kv_wiring import attach_precise
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -74,7 +75,7 @@ from policies.registry import make_policy
 from prefix_index.base import PrefixIndex
 from prefix_index.factory import make_index
 from replicas.discovery import make_discovery
-from replicas.probe import AiohttpGetter
+from replicas.probe import AiohttpGetter, Getter
 from replicas.registry import Registry
 from replicas.shared_state import SharedState
 
@@ -232,7 +233,9 @@ def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None
     shared_cfg = settings.registry.shared
     shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
     # the network's own clients unless a test replaced the network (then all goes through ``client``)
-    probes = AiohttpGetter() if transport is None else None
+    probes: Getter | None = None
+    if transport is None:
+        probes = H1Getter() if settings.upstream.client == "h1" else AiohttpGetter()
     registry = Registry(settings.registry, client, shared=shared, clock=time.time, probes=probes)
     upstream = make_upstream(settings.upstream) if transport is None else None
     return Gateway(settings, client, index, registry, policy, shared_state=shared is not None, upstream=upstream)

@@ -372,7 +372,18 @@ class H1Upstream:
             if self._fallback is None:
                 self._fallback = AiohttpUpstream(self.config)
             return await self._fallback.send(replica, path, body, headers)
-        wire = _wire(target.base + path, target.host_header, len(body), headers)
+        wire = _wire(b"POST", target.base + path, target.host_header, len(body), headers)
+        return await self._exchange(target, wire, body)
+
+    async def get(self, replica: str, path: str) -> H1Response:
+        """``GET replica + path`` (http:// only: probes, ``gateway/h1_probes.py``); returns
+        once the final response head arrived."""
+        target = self._replica(replica)
+        if target is None:
+            raise ConnectFailed(f"not an http:// replica: {replica!r}")
+        return await self._exchange(target, _wire(b"GET", target.base + path, target.host_header, None, []), b"")
+
+    async def _exchange(self, target: _Replica, wire: bytes, body: bytes) -> H1Response:
         conn = await self._acquire(target)
         try:
             return await conn.request(wire, body)
@@ -502,12 +513,15 @@ class H1Upstream:
             await self._fallback.close()
 
 
-def _wire(path: str, host: bytes, length: int, headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The request head; a header or path that could split it is refused."""
+def _wire(method: bytes, path: str, host: bytes, length: int | None, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The request head (``length`` None: no body, no ``content-length``); a header or
+    path that could split it is refused."""
     target = path.encode("ascii", "strict") if path.isascii() else b""
     if not target.startswith(b"/") or b" " in target or any(c in target for c in _BAD):
         raise Disconnected(f"cannot send path {path!r}")
-    parts = [b"POST ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\ncontent-length: %d\r\n" % length]
+    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+    if length is not None:
+        parts.append(b"content-length: %d\r\n" % length)
     for name, value in headers:
         if name.lower() in FRAMING:
             continue

@@ -4,8 +4,9 @@ Every function takes a ``Getter`` (one GET: status and body; the connection and 
 within the probe timeout, the whole GET within ``PROBE_TOTAL_FACTOR`` of them, the body
 bounded by ``MAX_PROBE_BODY_BYTES``) and never raises for an unreachable or misbehaving
 replica: it returns a result the registry can act on. ``AiohttpGetter`` is the gateway's
-(its own aiohttp session: about a quarter of httpx's CPU per GET here, 0.20 vs 0.79 ms,
-and a gateway polls every replica every second); ``HttpxGetter`` wraps an
+with ``upstream.client = "aiohttp"`` (its own aiohttp session: about a quarter of httpx's
+CPU per GET here, 0.20 vs 0.79 ms, and a gateway polls every replica every second); with
+the default ``h1`` client it is ``gateway.h1_probes.H1Getter``; ``HttpxGetter`` wraps an
 ``httpx.AsyncClient`` (unit tests inject an ``httpx.MockTransport`` there). Parsers are
 pure and tested against bodies shaped like SGLang 0.5.23's
 (``/server_info``, ``/v1/models``, ``/v1/loads``: SGLang's ``entrypoints/http_server.py``
@@ -112,7 +113,7 @@ class HttpxGetter:
         try:
             async with (asyncio.timeout(PROBE_TOTAL_FACTOR * timeout_s),
                         self._client.stream("GET", url, timeout=timeout_s) as r):
-                return r.status_code, await _bounded_body(r.aiter_bytes())
+                return r.status_code, await bounded_body(r.aiter_bytes())
         except (httpx.TimeoutException, TimeoutError) as e:
             raise ProbeTimedOut(f"{type(e).__name__}: {e}") from e
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
@@ -143,7 +144,7 @@ class AiohttpGetter:
         try:
             async with (asyncio.timeout(PROBE_TOTAL_FACTOR * timeout_s),
                         self._session.get(url, allow_redirects=False, timeout=per_step) as r):
-                return r.status, await _bounded_body(r.content.iter_any())
+                return r.status, await bounded_body(r.content.iter_any())
         except TimeoutError as e:
             raise ProbeTimedOut(f"{type(e).__name__}: no answer within {timeout_s:g} s") from e
         except (aiohttp.ClientError, ValueError) as e:
@@ -155,7 +156,7 @@ class AiohttpGetter:
             self._session = None
 
 
-async def _bounded_body(chunks: AsyncIterator[bytes]) -> bytes:
+async def bounded_body(chunks: AsyncIterator[bytes]) -> bytes:
     """The whole body, or ProbeFailed once it passes ``MAX_PROBE_BODY_BYTES``."""
     body = bytearray()
     async for chunk in chunks:

@@ -1,4 +1,4 @@
-"""Both probe Getters over real HTTP on 127.0.0.1: answers, bounds, timeouts, failures."""
+"""The probe Getters over real HTTP on 127.0.0.1: answers, bounds, timeouts, failures."""
 from __future__ import annotations
 
 import asyncio
@@ -6,9 +6,11 @@ import socket
 from collections.abc import AsyncIterator, Callable
 
 import httpx
+import orjson
 import pytest
 from aiohttp import web
 
+from gateway.h1_probes import H1Getter
 from replicas import probe
 from replicas.health import HealthEvent
 
@@ -39,6 +41,11 @@ async def _handler(request: web.Request) -> web.StreamResponse:
             await asyncio.sleep(gap_s)
             await response.write(b"x")
         return response
+    if path.endswith("/echo"):  # what arrived, and from which client port
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        return web.json_response({"method": request.method, "path": path, "query": request.query_string,
+                                  "headers": {k.lower(): v for k, v in request.headers.items()},
+                                  "port": peer[1] if peer else None})
     if path == "/broken":
         return web.Response(status=200, text="{not json", content_type="application/json")
     return web.Response(status=404)
@@ -65,7 +72,11 @@ def _httpx() -> probe.Getter:
     return probe.HttpxGetter(httpx.AsyncClient(trust_env=False))
 
 
-GETTERS = pytest.mark.parametrize("make", [_aiohttp, _httpx], ids=["aiohttp", "httpx"])
+def _h1() -> probe.Getter:
+    return H1Getter()
+
+
+GETTERS = pytest.mark.parametrize("make", [_aiohttp, _httpx, _h1], ids=["aiohttp", "httpx", "h1"])
 
 
 @GETTERS
@@ -117,5 +128,21 @@ async def test_each_step_within_the_timeout_and_the_whole_within_its_multiple(
         assert await get(server + "/trickle/4/150", 0.25) == (200, b"xxxx")
         with pytest.raises(probe.ProbeTimedOut):
             await get(server + "/trickle/10/100", 0.15)
+    finally:
+        await get.close()
+
+
+async def test_h1_sends_a_plain_get_and_keeps_its_connection(server: str) -> None:
+    """A GET without a body or content-length, the query and the replica URL's own path
+    kept; answers read to their end leave one keep-alive connection, reused."""
+    get = H1Getter()
+    try:
+        answers = [orjson.loads((await get(server + "/base/echo?include=core", 2.0))[1]) for _ in range(3)]
+        first = answers[0]
+        assert (first["method"], first["path"], first["query"]) == ("GET", "/base/echo", "include=core")
+        assert "content-length" not in first["headers"] and "transfer-encoding" not in first["headers"]
+        assert len({a["port"] for a in answers}) == 1
+        assert (await get(server + "/nothing", 2.0))[0] == 404  # an error answer: its connection is closed
+        assert orjson.loads((await get(server + "/echo", 2.0))[1])["port"] != first["port"]
     finally:
         await get.close()
