@@ -226,6 +226,11 @@ def make_upstream(config: UpstreamConfig) -> Upstream:
     return H1Upstream(config) if config.client == "h1" else AiohttpUpstream(config)
 
 
+def make_probes(config: UpstreamConfig) -> Getter:
+    """The registry's probe client of ``upstream.client`` (a pool of its own)."""
+    return H1Getter() if config.client == "h1" else AiohttpGetter()
+
+
 def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> Gateway:
     client = make_client(settings, transport)
     index = make_index(settings.index)
@@ -233,9 +238,7 @@ def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None
     shared_cfg = settings.registry.shared
     shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
     # the network's own clients unless a test replaced the network (then all goes through ``client``)
-    probes: Getter | None = None
-    if transport is None:
-        probes = H1Getter() if settings.upstream.client == "h1" else AiohttpGetter()
+    probes = make_probes(settings.upstream) if transport is None else None
     registry = Registry(settings.registry, client, shared=shared, clock=time.time, probes=probes)
     upstream = make_upstream(settings.upstream) if transport is None else None
     return Gateway(settings, client, index, registry, policy, shared_state=shared is not None, upstream=upstream)

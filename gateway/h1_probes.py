@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 from gateway.h1_upstream import H1Upstream
-from gateway.upstream import UpstreamFailure
+from gateway.upstream import UpstreamFailure, next_chunk
 from gateway.upstream_config import UpstreamConfig
 from replicas.probe import (
     PROBE_TOTAL_FACTOR,
@@ -66,9 +66,5 @@ class H1Getter:
 
 async def _each_within(chunks: AsyncIterator[bytes], timeout_s: float) -> AsyncIterator[bytes]:
     """The chunks, each read within ``timeout_s``."""
-    while True:
-        async with asyncio.timeout(timeout_s):
-            chunk = await anext(chunks, None)
-        if chunk is None:
-            return
+    while (chunk := await next_chunk(chunks, timeout_s)) is not None:
         yield chunk

@@ -86,6 +86,7 @@ from gateway.upstream import (
     Upstream,
     UpstreamFailure,
     UpstreamTimedOut,
+    next_chunk,
 )
 from gateway.upstream_config import UpstreamConfig
 from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext, RoutingInputs
@@ -378,7 +379,7 @@ class Proxy:
         status = attempt.response.status_code
         parts = [first]
         try:
-            while (chunk := await _next_chunk(chunks, self.cfg.read_timeout_s)) is not None:
+            while (chunk := await next_chunk(chunks, self.cfg.read_timeout_s)) is not None:
                 parts.append(chunk)
         except (TimeoutError, UpstreamFailure) as exc:
             what = "stalled" if _stalled(exc) else f"broke ({exc})"
@@ -525,12 +526,6 @@ def _stream_broke(attempt: Attempt, exc: BaseException, stalled: bool, stall_s: 
     what = f"stalled for {stall_s:g} s" if stalled else f"failed mid-stream ({exc})"
     attempt.stream_error = f"replica {attempt.decision.replica} {what}"
     return (b"" if boundary else b"\n\n") + sse_error(attempt.stream_error, api=attempt.ctx.endpoint)
-
-
-async def _next_chunk(chunks: AsyncIterator[bytes], limit_s: float) -> bytes | None:
-    """The next body chunk within ``limit_s`` (TimeoutError otherwise); None at the end."""
-    async with asyncio.timeout(limit_s):
-        return await anext(chunks, None)
 
 
 def _stalled(exc: BaseException) -> bool:

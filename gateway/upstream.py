@@ -30,6 +30,7 @@ Retry bookkeeping (``RetryBudget``, ``PoisonBodies``) is ``gateway.retry``.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -80,6 +81,12 @@ class ResponseLike(Protocol):
     async def aclose(self) -> None:
         """Release the connection (back to the pool only after a complete body)."""
         ...
+
+
+async def next_chunk(chunks: AsyncIterator[bytes], limit_s: float) -> bytes | None:
+    """The next body chunk within ``limit_s`` (TimeoutError otherwise); None at the end."""
+    async with asyncio.timeout(limit_s):
+        return await anext(chunks, None)
 
 
 class Upstream(Protocol):

@@ -72,11 +72,7 @@ def _httpx() -> probe.Getter:
     return probe.HttpxGetter(httpx.AsyncClient(trust_env=False))
 
 
-def _h1() -> probe.Getter:
-    return H1Getter()
-
-
-GETTERS = pytest.mark.parametrize("make", [_aiohttp, _httpx, _h1], ids=["aiohttp", "httpx", "h1"])
+GETTERS = pytest.mark.parametrize("make", [_aiohttp, _httpx, H1Getter], ids=["aiohttp", "httpx", "h1"])
 
 
 @GETTERS
