@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ SESSIONS = 4
 TURNS = 6
 STREAMS = 8
 EXPECTED = "x-kvgate-expected-cached-tokens"
+Turn = tuple[float, str]  # (monotonic time the turn was sent, the replica that served it)
 
 
 def async_api(gw: Gateway) -> openai.AsyncOpenAI:
@@ -46,10 +48,11 @@ def async_api(gw: Gateway) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, http_client=http)
 
 
-async def _session(oa: openai.AsyncOpenAI, s: int, seen: dict[int, list[str]], errors: list[str]) -> None:
+async def _session(oa: openai.AsyncOpenAI, s: int, seen: dict[int, list[Turn]], errors: list[str]) -> None:
     messages: list[Any] = [{"role": "system", "content": f"Agent {s} of the drain test. " * 30}]
     for turn in range(TURNS):
         messages.append({"role": "user", "content": f"step {turn} of session {s}: go on."})
+        sent = time.monotonic()
         try:
             raw = await oa.chat.completions.with_raw_response.create(
                 model=MODEL, messages=messages, max_tokens=16, extra_body={"ignore_eos": True},
@@ -57,11 +60,11 @@ async def _session(oa: openai.AsyncOpenAI, s: int, seen: dict[int, list[str]], e
         except openai.APIError as e:
             errors.append(f"session {s} turn {turn}: {e!r}")
             return
-        seen[s].append(raw.headers["x-kvgate-replica"])
+        seen[s].append((sent, raw.headers["x-kvgate-replica"]))
         messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content or ""})
 
 
-async def _sessions_then(gw: Gateway, seen: dict[int, list[str]], ready: threading.Event) -> list[str]:
+async def _sessions_then(gw: Gateway, seen: dict[int, list[Turn]], ready: threading.Event) -> list[str]:
     oa, errors = async_api(gw), list[str]()
 
     async def watcher() -> None:
@@ -79,7 +82,7 @@ async def _sessions_then(gw: Gateway, seen: dict[int, list[str]], ready: threadi
 
 def test_admin_drain_of_a_real_server_loses_nothing(real_urls: list[str], tmp_path: Path) -> None:
     gw = start_gateway(real_urls, tmp_path / "gateway.log")
-    seen: dict[int, list[str]] = {s: [] for s in range(SESSIONS)}
+    seen: dict[int, list[Turn]] = {s: [] for s in range(SESSIONS)}
     ready, state = threading.Event(), dict[str, Any]()
 
     def drain() -> None:
@@ -87,10 +90,18 @@ def test_admin_drain_of_a_real_server_loses_nothing(real_urls: list[str], tmp_pa
             return
         # the replica serving the most sessions that still have a turn after the one in flight
         # (under load sessions progress unevenly: one may be nearly done when the last has 2)
-        counts = {u: sum(reps[-1] == u and len(reps) <= TURNS - 2 for reps in seen.values()) for u in real_urls}
+        counts = {u: sum(turns[-1][1] == u and len(turns) <= TURNS - 2 for turns in seen.values())
+                  for u in real_urls}
         state["victim"] = victim = max(counts, key=lambda u: counts[u])
-        state["before"] = {s: len(reps) for s, reps in seen.items()}
-        state["reply"] = gw.admin("POST", "/replicas/drain", json={"url": victim, "deadline_s": 60, "wait": True})
+        # The drain is applied when this answer is sent (wait=False): a turn sent after it
+        # must not reach the victim; one sent before it may (it raced the drain, legitimately).
+        state["reply"] = gw.admin("POST", "/replicas/drain", json={"url": victim, "deadline_s": 60})
+        state["applied"] = time.monotonic()
+        try:
+            wait_until(lambda: victim not in gw.replicas(), 90.0, "the drained victim removed")
+            state["removed"] = True
+        except TimeoutError:
+            state["removed"] = False
 
     thread = threading.Thread(target=drain)
     try:
@@ -98,13 +109,15 @@ def test_admin_drain_of_a_real_server_loses_nothing(real_urls: list[str], tmp_pa
         errors = asyncio.run(_sessions_then(gw, seen, ready))
         thread.join(120.0)
         assert not errors, errors
-        assert all(len(reps) == TURNS for reps in seen.values()), seen
-        reply, victim, before = state["reply"], state["victim"], state["before"]
-        assert reply.status_code in (200, 404), reply.text  # 404: removed already
-        assert victim not in gw.replicas()
-        after = {s: reps[before[s] + 1:] for s, reps in seen.items()}  # +1: the turn in flight then
-        assert all(victim not in reps for reps in after.values()), (victim, seen, before)
-        assert any(victim in reps[:before[s]] and after[s] for s, reps in seen.items()), (victim, seen)
+        assert all(len(turns) == TURNS for turns in seen.values()), seen
+        reply, victim, applied = state["reply"], state["victim"], state["applied"]
+        assert reply.status_code == 200, reply.text
+        assert state["removed"], (victim, gw.replicas())
+        after = {s: [r for sent, r in turns if sent > applied] for s, turns in seen.items()}
+        assert all(victim not in reps for reps in after.values()), (victim, applied, seen)
+        # a session the victim served before the drain went on elsewhere
+        assert any(after[s] and any(r == victim for sent, r in turns if sent < applied)
+                   for s, turns in seen.items()), (victim, applied, seen)
     finally:
         gw.proc.stop()
 
