@@ -37,6 +37,7 @@ from gateway.relay import sse_error
 
 if TYPE_CHECKING:
     import socket
+    from types import FrameType
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
     from uvicorn.config import Config
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.server")
 CUT_SEND_TIMEOUT_S = 2.0  # bound on writing the last event to a client that does not read
 EDGE_KEY = "kvgate_edge"  # key of the Edge in the ASGI lifespan state
+MAIN_LOOP_TICK_S = 1.0  # uvicorn's main loop wakes this often (its own: 0.1 s); a signal wakes it at once
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})  # never refused by the concurrency cap
 
 
@@ -186,10 +188,34 @@ class _Relay:
 class GatewayServer(Server):
     """uvicorn's server with the edge state, extra listeners and the graceful shutdown."""
 
-    def __init__(self, config: Config, edge: Edge) -> None:
+    def __init__(self, config: Config, edge: Edge, tick_s: float = MAIN_LOOP_TICK_S) -> None:
         super().__init__(config)
         self.edge = edge
         self.server_state = EdgeServerState(edge)
+        self.tick_s = tick_s
+        self._tick: asyncio.Future[None] | None = None  # the main loop's current wait
+
+    async def main_loop(self) -> None:
+        """uvicorn's main loop (the date header, ``should_exit``), woken every ``tick_s``
+        instead of ten times a second: an idle wake-up costs ~0.15 ms of CPU here. A
+        signal (``handle_exit``) ends the wait at once, so shutdown starts as soon."""
+        loop = asyncio.get_running_loop()
+        per_tick = max(1, round(self.tick_s * 10))  # uvicorn's on_tick counts 0.1 s ticks
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + per_tick) % 864000
+            self._tick = tick = loop.create_future()
+            timer = loop.call_later(self.tick_s, _resolve, tick)
+            await tick
+            timer.cancel()
+            should_exit = await self.on_tick(counter)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        tick = self._tick
+        if tick is not None:  # (a signal handler runs between bytecodes: wake the loop safely)
+            tick.get_loop().call_soon_threadsafe(_resolve, tick)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.lifespan.state[EDGE_KEY] = self.edge  # the app finds the edge in its lifespan state
@@ -230,6 +256,11 @@ class GatewayServer(Server):
             task.cancel()
         while self.server_state.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def edge_error(path: str, status: int, message: str, type_: str, code: str) -> bytes:

@@ -82,7 +82,7 @@ class RegistryConfig(BaseModel):
         "sglang-router's CPU a request"))
     drain_timeout_s: float = 600.0
     drain_check_interval_s: float = Field(
-        default=0.25, description="how often drain deadlines are checked"
+        default=0.25, description="how often drain deadlines are checked while a replica drains (no wake-ups otherwise)"
     )
     readd_static_after_self_drain: bool = Field(
         default=True,

@@ -356,6 +356,33 @@ async def test_start_and_stop_run_the_loops() -> None:
         await reg.stop()
 
 
+async def test_the_drain_loop_removes_at_the_deadline_and_sleeps_when_nothing_drains() -> None:
+    fleet = fleet_with(A)
+    fleet.add(B)
+    clock = FakeClock()
+    async with fleet.client() as client:
+        reg = Registry(RegistryConfig(replicas=[A, B], drain_check_interval_s=0.01), client, clock=clock)
+        await reg.start()
+        try:
+            assert not reg._draining.is_set()  # nothing drains: the loop waits, no ticks
+            lease = reg.lease(A, 0)  # a request in flight keeps A until the deadline
+            await reg.drain(A, deadline_s=30)
+            assert reg.get(A).state is ReplicaState.DRAINING  # type: ignore[union-attr]
+            await asyncio.sleep(0.05)  # the loop ticks: A is still within its deadline
+            assert reg.get(A) is not None and reg._draining.is_set()
+            clock.advance(31)
+            async with asyncio.timeout(5):  # the loop, not a call of ours, removes A
+                while reg.get(A) is not None:
+                    await asyncio.sleep(0.01)
+            async with asyncio.timeout(5):
+                while reg._draining.is_set():  # and goes back to sleep
+                    await asyncio.sleep(0.01)
+            lease.release()
+            assert [v.id for v in reg.views()] == [B]
+        finally:
+            await reg.stop()
+
+
 async def test_ids_are_the_views_replicas_in_their_order() -> None:
     async with harness(A, B) as h:
         assert h.reg.ids() == tuple(v.id for v in h.reg.views()) and len(h.reg.ids()) == 2
