@@ -214,7 +214,9 @@ class GatewayServer(Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         tick = self._tick
-        if tick is not None:  # (a signal handler runs between bytecodes: wake the loop safely)
+        # (a signal handler runs between bytecodes: wake the loop safely; a wait that is
+        # over already means the main loop has ended, and its event loop may be closed)
+        if tick is not None and not tick.done():
             tick.get_loop().call_soon_threadsafe(_resolve, tick)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:

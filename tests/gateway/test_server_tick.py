@@ -39,3 +39,17 @@ async def test_the_loop_ticks_and_sees_should_exit_set_without_a_signal() -> Non
     await asyncio.sleep(0.05)
     server.should_exit = True  # e.g. set by uvicorn itself, not by a signal
     await asyncio.wait_for(loop_task, 10.0)
+
+
+def test_a_signal_after_the_loop_and_its_event_loop_ended_is_harmless() -> None:
+    server = _server(tick_s=0.01)
+
+    async def run_then_exit() -> None:
+        task = asyncio.create_task(server.main_loop())
+        await asyncio.sleep(0.05)
+        server.should_exit = True
+        await asyncio.wait_for(task, 10.0)
+
+    asyncio.run(run_then_exit())  # the event loop is closed after this
+    server.handle_exit(signal.SIGINT, None)  # a late signal (before uvicorn restores the handlers)
+    assert server.force_exit  # uvicorn's own meaning of a second SIGINT, nothing raised
