@@ -10,7 +10,8 @@
   the listeners stay open (a load balancer still sending gets answers), responses close
   their connections, requests in flight get ``shutdown_grace_s``; then the listeners
   close and whatever is still running is cut: an open SSE stream gets
-  ``data: {"error": {... "type": "server_shutdown"}}`` and ``data: [DONE]``.
+  ``data: {"error": {... "type": "server_shutdown"}}`` and ``data: [DONE]``. Its main loop
+  ticks once a second (uvicorn's: ten times), the signal handler ends the wait at once.
 
 Everything is counted in ``GatewayMetrics`` (``client_connections``,
 ``client_connections_closed{reason}``, ``requests_rejected{reason}``,
