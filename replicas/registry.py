@@ -87,7 +87,9 @@ class Registry:
             asyncio.create_task(self._every(i, fn), name=f"registry-{fn.__name__}")
             for i, fn in loops
         ]
-        self._loops.append(asyncio.create_task(self._watch_drains(), name="registry-drains"))
+        self._loops.append(asyncio.create_task(
+            self._every(c.drain_check_interval_s, self._check_drains_async, gate=self._draining),
+            name="registry-check_drains"))
 
     async def stop(self) -> None:
         tasks = [*self._loops, *self._background]
@@ -99,27 +101,17 @@ class Registry:
             await self._link.close()
         await self._get.close()
 
-    async def _every(self, interval_s: float, fn: Callable[[], Awaitable[None]]) -> None:
+    async def _every(self, interval_s: float, fn: Callable[[], Awaitable[None]],
+                     gate: asyncio.Event | None = None) -> None:
+        """``fn`` every ``interval_s``; with a ``gate``, only while it is set (asleep otherwise)."""
         while True:
+            if gate is not None:
+                await gate.wait()
             try:
                 await fn()
             except Exception:  # a loop must survive one bad iteration
                 log.exception("registry loop %s failed", fn.__name__)
             await asyncio.sleep(interval_s)
-
-    async def _watch_drains(self) -> None:
-        """``check_drains`` every ``drain_check_interval_s`` while a replica drains; asleep
-        on ``_draining`` otherwise (set by whatever puts a replica in DRAINING)."""
-        while True:
-            await self._draining.wait()
-            try:
-                self.check_drains()
-            except Exception:  # the loop must survive one bad iteration
-                log.exception("registry loop check_drains failed")
-            if not any(r.state is ReplicaState.DRAINING for r in self._table.records.values()):
-                self._draining.clear()
-                continue
-            await asyncio.sleep(self.config.drain_check_interval_s)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -210,8 +202,7 @@ class Registry:
         was_operator = rec.operator_drain
         now = self._clock()
         started = rec.drain.started_s if rec.drain else now
-        rec.drain = DrainInfo(now + left_s, by_operator=True, started_s=started)
-        self._draining.set()
+        self._set_drain(rec, DrainInfo(now + left_s, by_operator=True, started_s=started))
         if not was_operator:
             self._table.set_state(rec, ReplicaState.DRAINING, force_notify=True)
 
@@ -237,6 +228,17 @@ class Registry:
     def check_drains(self) -> None:
         for rec in list(self._table.records.values()):
             self._check_drain(rec)
+
+    def _set_drain(self, rec: ReplicaRecord, info: DrainInfo) -> None:
+        """A drain deadline for ``rec``; the drain loop wakes to watch it."""
+        rec.drain = info
+        self._draining.set()
+
+    async def _check_drains_async(self) -> None:
+        """The drain loop's body; it goes back to sleep when nothing drains any more."""
+        self.check_drains()
+        if not any(r.state is ReplicaState.DRAINING for r in self._table.records.values()):
+            self._draining.clear()
 
     def _check_drain(self, rec: ReplicaRecord) -> None:
         if rec.state is not ReplicaState.DRAINING or rec.drain is None:
@@ -268,10 +270,9 @@ class Registry:
             return
         if new is ReplicaState.DRAINING:
             now = self._clock()
-            rec.drain = DrainInfo(
+            self._set_drain(rec, DrainInfo(
                 now + self.config.drain_timeout_s, by_operator=False, started_s=now
-            )
-            self._draining.set()
+            ))
         elif rec.state is ReplicaState.DRAINING:
             rec.drain = None
         self._table.set_state(rec, new)
