@@ -46,7 +46,7 @@ from starlette.responses import Response
 from gateway import admin
 from gateway.admission import Admission
 from gateway.api_routes import ResponsesApi, install_agent_routes, install_error_handlers
-from gateway.bodies import read_body
+from gateway.bodies import header_map, read_body
 from gateway.client_watch import ClientWatch
 from gateway.context import build_context
 from gateway.errors import GatewayError
@@ -57,8 +57,8 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.proxy import CLIENT_CLOSED, PINNED, Proxy
 from gateway.relay import (
+    ClosingResponse,
     HeaderPolicy,
-    RelayResponse,
     error_response,
     json_response,
     route_headers,
@@ -169,8 +169,9 @@ class Gateway:
         """One inference request: read, parse once, route and relay."""
         started_s = time.perf_counter()
         try:
-            body = await read_body(request, self.settings.hashing.max_body_bytes)
-            headers = request.headers
+            raw_headers: list[tuple[bytes, bytes]] = request.scope["headers"]
+            headers = header_map(raw_headers)
+            body = await read_body(request, self.settings.hashing.max_body_bytes, headers)
             ctx = build_context(endpoint, body, headers, headers.get("content-type"), self.settings)
         except GatewayError as exc:
             return self._answered(endpoint, error_response(exc, route_headers("none", "rejected"), endpoint),
@@ -184,15 +185,20 @@ class Gateway:
             return self._answered(endpoint, error_response(exc, route_headers("none", PINNED), endpoint), started_s)
         client = request.client.host if request.client is not None else None
         # the scope's scheme, not request.url.scheme: building the URL object costs ~6 us a request
-        out_headers = upstream_headers(headers.raw, self.header_policy, client, request.scope.get("scheme", "http"))
+        out_headers = upstream_headers(raw_headers, self.header_policy, client, request.scope.get("scheme", "http"))
         response = await self._until_client_leaves(
             request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s, pin))
-        if response is not None and endpoint == "responses":
-            response = await self.responses.record(response)
+        if isinstance(response, ClosingResponse) and endpoint == "responses":
+            relayed = response
+            try:
+                response = await self.responses.record(relayed)
+            except BaseException:  # it will not be sent: its lease and feedback all the same
+                await relayed.abandon()
+                raise
         if response is None:
             log.info("client left before the answer of request %s", ctx.request_id)
             response = Response(status_code=CLIENT_CLOSED)
-        if not isinstance(response, RelayResponse):  # streams count themselves when they end
+        if not isinstance(response, ClosingResponse):  # a relayed answer counts itself once sent
             self.request_done(endpoint, response.status_code, started_s)
         return response
 

@@ -1,14 +1,28 @@
-"""Reading a request body within a bound (413 beyond it, without reading it all)."""
+"""A request's headers as a map, and its body read within a bound (413 beyond it,
+without reading it all)."""
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from starlette.requests import Request
 
 from gateway.errors import PayloadTooLarge
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes without reading it all."""
-    declared = request.headers.get("content-length")
+def header_map(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Lower-case name -> the first value (latin-1), as Starlette's ``Headers.get`` reads
+    them, built once: ``Headers.get`` scans every header on each call, and a request's
+    context looks up a dozen names, most of them absent."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        out.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return out
+
+
+async def read_body(request: Request, limit: int, headers: Mapping[str, str] | None = None) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes without reading it
+    all. ``headers``: the request's ``header_map`` when the caller has it."""
+    declared = (request.headers if headers is None else headers).get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
     parts: list[bytes] = []

@@ -41,6 +41,7 @@ this client and aiohttp alike):
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -54,8 +55,8 @@ from gateway.upstream_config import UpstreamConfig
 MAX_HEAD_BYTES = 64 * 1024  # a response head (status line and headers) at most
 PAUSE_BYTES = 1024 * 1024  # a pulled body buffered beyond this pauses reading
 FRAMING = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect"})
-_BAD = (b"\r", b"\n", b"\0")
-_NOT_IN_NAMES = (b":", b" ", b"\t")  # (a name with a space could be read as framing by a lenient server)
+_BAD = re.compile(rb"[\r\n\0]").search  # in a value or the path: it could split the head
+_BAD_NAME = re.compile(rb"[\r\n\0: \t]").search  # (a name with a space could be read as framing by a lenient server)
 
 
 class PushSink(Protocol):
@@ -138,6 +139,16 @@ class H1Response:
             conn.abort()
 
     # ---------------------------------------------------------------- for the proxy
+    def arrived(self) -> bytes | None:
+        """The whole body when the answer has already ended complete (taken at once: no
+        wait, so no timer), else None (still coming, broken, or being pushed)."""
+        if not self._ended or self._error is not None or self._sink is not None:
+            return None
+        data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+        self._chunks.clear()
+        self._buffered = 0
+        return data
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         while True:
             if self._chunks:
@@ -517,7 +528,7 @@ def _wire(method: bytes, path: str, host: bytes, length: int | None, headers: li
     """The request head (``length`` None: no body, no ``content-length``); a header or
     path that could split it is refused."""
     target = path.encode("ascii", "strict") if path.isascii() else b""
-    if not target.startswith(b"/") or b" " in target or any(c in target for c in _BAD):
+    if not target.startswith(b"/") or b" " in target or _BAD(target):
         raise Disconnected(f"cannot send path {path!r}")
     parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
     if length is not None:
@@ -525,7 +536,7 @@ def _wire(method: bytes, path: str, host: bytes, length: int | None, headers: li
     for name, value in headers:
         if name.lower() in FRAMING:
             continue
-        if any(c in name or c in value for c in _BAD) or any(c in name for c in _NOT_IN_NAMES) or not name:
+        if not name or _BAD_NAME(name) or _BAD(value):
             raise Disconnected(f"cannot send header {name!r}")
         parts += (name, b": ", value, b"\r\n")
     parts.append(b"\r\n")

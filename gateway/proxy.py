@@ -66,6 +66,7 @@ from gateway.h1_upstream import H1Response
 from gateway.metrics import GatewayMetrics
 from gateway.push_relay import ChunkWriter, PushRun
 from gateway.relay import (
+    AnsweredResponse,
     PushableStream,
     RelayResponse,
     Usage,
@@ -308,11 +309,13 @@ class Proxy:
         do not herd onto one replica. A clear preference (affinity, a long prefix match) is
         never overridden. The decision follows the replica actually reserved."""
         registry = self.registry
+        if not self.shared_state or decision.reason == PINNED:  # (no near-ties to settle: no sort of the scores)
+            return decision, registry.lease(decision.replica, decision.predicted_uncached_tokens)
         floor = decision.scores.get(decision.replica, 0.0) - self.cfg.reserve_margin
         others = sorted((r for r, score in decision.scores.items()
                          if score >= floor and r != decision.replica and r not in tried),
                         key=lambda r: -decision.scores[r])
-        if not self.shared_state or not others or decision.reason == PINNED:
+        if not others:
             return decision, registry.lease(decision.replica, decision.predicted_uncached_tokens)
         lease = await registry.reserve([decision.replica, *others], decision.predicted_uncached_tokens)
         if lease.replica != decision.replica:
@@ -335,6 +338,11 @@ class Proxy:
         if status >= 500 or status == 429:
             kind = f"status_{status}" if status in (429, 503) else "status_5xx"
             raise Failure(kind, UpstreamError(f"replica {replica} answered {status}"), response)
+        sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        whole = response.arrived() if isinstance(response, H1Response) and not sse else None
+        if whole is not None:  # the whole answer came with its head (a small one): nothing to wait for
+            self._first_byte(attempt)
+            return self._answer(attempt, whole, self._response_headers(attempt))
         chunks = response.aiter_raw()
         wait_s = cfg.first_byte_timeout_s if stream else cfg.total_timeout_s - (time.perf_counter() - attempt.started_s)
         try:
@@ -344,15 +352,18 @@ class Proxy:
             raise self._timeout("first_byte_timeout" if stream else "total_timeout", replica) from exc
         except UpstreamFailure as exc:
             raise self._broken(exc, replica) from exc
-        attempt.first_byte_s = time.perf_counter()
-        attempt.lease.first_byte()
-        self.admission.started(attempt.ticket)
+        self._first_byte(attempt)
         out_headers = self._response_headers(attempt)
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
+        if sse:
             attempt.sniffer = UsageSniffer()
             relayed = _Stream(attempt, first, lambda: self._relay(attempt, first, chunks), cfg.stall_timeout_s)
             return RelayResponse(relayed, status, out_headers, lambda: self._stream_closed(attempt))
         return await self._buffered(attempt, first, chunks, out_headers)
+
+    def _first_byte(self, attempt: Attempt) -> None:
+        attempt.first_byte_s = time.perf_counter()
+        attempt.lease.first_byte()
+        self.admission.started(attempt.ticket)
 
     @staticmethod
     def _timeout(kind: str, replica: str) -> Failure:
@@ -375,8 +386,6 @@ class Proxy:
 
     async def _buffered(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes],
                         headers: list[tuple[bytes, bytes]]) -> Response:
-        assert attempt.response is not None
-        status = attempt.response.status_code
         parts = [first]
         try:
             while (chunk := await next_chunk(chunks, self.cfg.read_timeout_s)) is not None:
@@ -384,18 +393,27 @@ class Proxy:
         except (TimeoutError, UpstreamFailure) as exc:
             what = "stalled" if _stalled(exc) else f"broke ({exc})"
             return await self._broken_body(attempt, f"replica {attempt.decision.replica} {what} mid-response")
-        body = b"".join(parts) if len(parts) > 1 else first
+        return self._answer(attempt, b"".join(parts) if len(parts) > 1 else first, headers)
+
+    def _answer(self, attempt: Attempt, body: bytes, headers: list[tuple[bytes, bytes]]) -> AnsweredResponse:
+        """The whole answer, for the client; its bookkeeping runs once it is sent."""
+        assert attempt.response is not None
+        status = attempt.response.status_code
+        attempt.last_byte_s = time.perf_counter()
+        return AnsweredResponse(body, status, headers, lambda: self._sent(attempt, body, headers))
+
+    async def _sent(self, attempt: Attempt, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        """A buffered answer handed to the client (or failed to be): its usage, outcome,
+        feedback and metrics (``AnsweredResponse`` runs this after the write)."""
+        assert attempt.response is not None
+        status = attempt.response.status_code
         usage: Usage = (None, None, None)
         if status == 200 and not any(k.lower() == b"content-encoding" for k, _ in headers):
             usage = usage_of_body(body)
-        attempt.last_byte_s = time.perf_counter()
         if status < 500:
             self.registry.report_success(attempt.decision.replica)
         await self._close(attempt, self._outcome(attempt, status, usage))
-        response = Response(status_code=status)
-        response.body = body
-        response.raw_headers = [*headers, (b"content-length", b"%d" % len(body))]
-        return response
+        self.metrics.request_done(attempt.ctx.endpoint, status, time.perf_counter() - attempt.started_s)
 
     async def _broken_body(self, attempt: Attempt, message: str) -> Response:
         self.registry.report_failure(attempt.decision.replica, "mid_body")

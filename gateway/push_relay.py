@@ -29,7 +29,8 @@ What the run keeps, as the pull relay does:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -70,6 +71,48 @@ class ChunkWriter:
     @property
     def paused(self) -> bool:
         return bool(self.cycle.flow.write_paused)
+
+    @contextlib.contextmanager
+    def one_write(self) -> Iterator[None]:
+        """Inside the block, uvicorn's cycle writes a response's head and its first body
+        part into the transport at once (one send instead of two: a whole answer's head
+        and body, ``gateway.relay.AnsweredResponse``); a head left held is written at the
+        end of the block."""
+        cycle = self.cycle
+        held = _HeadHeld(cycle.transport)
+        cycle.transport = held  # type: ignore[assignment]  # the transport's one write() is what the cycle calls
+        try:
+            yield
+        finally:
+            cycle.transport = held.transport
+            held.flush()
+
+
+class _HeadHeld:
+    """A transport whose first write (the head) waits for the second; the rest is the transport's."""
+
+    __slots__ = ("head", "transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head, self.head = self.head, None
+        if head is None and not self.transport.is_closing() and data.startswith(b"HTTP/"):
+            self.head = data  # held for the body
+        elif head is None:
+            self.transport.write(data)
+        else:
+            self.transport.writelines((head, data))
+
+    def flush(self) -> None:
+        head, self.head = self.head, None
+        if head is not None:
+            self.transport.write(head)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.transport, name)
 
 
 class PushSource(Protocol):

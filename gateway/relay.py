@@ -14,10 +14,13 @@
 - ``RelayResponse``: the relayed stream; its cleanup always runs (end, error, client
   disconnect), shielded from cancellation. Its content is pushed when it can be
   (``gateway/push_relay.py``), else pulled.
+- ``AnsweredResponse``: a replica's buffered answer; the request's bookkeeping runs after
+  the body is handed to the client's transport (off the added latency), and always.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -251,7 +254,17 @@ class PushableStream(AsyncIterator[bytes]):
         raise NotImplementedError
 
 
-class RelayResponse(Response):
+class ClosingResponse(Response):
+    """A response whose ``on_close`` (the request's bookkeeping) must run once, whatever happens."""
+
+    _on_close: Callable[[], Awaitable[None]]
+
+    async def abandon(self) -> None:
+        """Never sent (the gateway failed before): the bookkeeping all the same."""
+        await asyncio.shield(self._on_close())
+
+
+class RelayResponse(ClosingResponse):
     """A relayed stream: the head, then each chunk of ``body_iterator`` as it comes.
 
     Pushed (``content.push``) when the server handed a ``ChunkWriter`` (the scope's
@@ -291,6 +304,36 @@ class RelayResponse(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await asyncio.shield(self._on_close())
+
+
+class AnsweredResponse(ClosingResponse):
+    """A replica's whole (buffered) answer, relayed at once; ``on_close`` then runs.
+
+    ``on_close`` is the request's bookkeeping (load lease, upstream connection, usage,
+    feedback, metrics). It runs right after the body is handed to the client's transport,
+    so the client does not wait for it, and before this task yields to the event loop
+    (nothing in between awaits), so the client's next request is still decided after it.
+    It always runs: a failed or cancelled send runs it shielded from the cancellation."""
+
+    def __init__(self, body: bytes, status_code: int, headers: list[tuple[bytes, bytes]],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        """``headers``: raw (name, value) pairs; ``content-length`` is added."""
+        self.body = body
+        self.status_code = status_code
+        self.background = None
+        self.raw_headers = [*headers, (b"content-length", b"%d" % len(body))]
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        writer = scope.get("extensions", {}).get(PUSH_EXTENSION)
+        try:
+            with writer.one_write() if isinstance(writer, ChunkWriter) else contextlib.nullcontext():
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                await send({"type": "http.response.body", "body": self.body})
+        except BaseException:
+            await asyncio.shield(self._on_close())
+            raise
+        await self._on_close()
 
 
 TAIL_PARSE_MIN_BYTES = 4096  # smaller bodies are parsed whole

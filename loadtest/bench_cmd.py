@@ -6,6 +6,7 @@
     kvgate bench simulator
     kvgate bench simulator-memory [--speed]
     kvgate bench index
+    kvgate bench polls [--replicas 512]
     kvgate bench hashing
     kvgate bench NAME --help
 
@@ -41,6 +42,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "simulated replica: cache-index memory, virtual-time speed (--speed)",
     ),
     "index": ("loadtest.bench_index", "prefix index lookups: in-memory and Redis backends"),
+    "polls": ("loadtest.bench_polls", "a large fleet's probes and load polls: in batches against all at once"),
     "hashing": ("loadtest.bench_hashing", "request parsing and block hashing cost per body size"),
 }
 

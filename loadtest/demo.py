@@ -57,11 +57,14 @@ class GatewayProcess:
     """``kvgate serve`` in a child process on a free loopback port (in-memory index)."""
 
     def __init__(self, policy: str, replica_urls: Sequence[str], extra_args: Sequence[str] = (),
-                 ready_timeout_s: float = 30.0, log_dir: Path | None = None) -> None:
+                 ready_timeout_s: float = 30.0, log_dir: Path | None = None, root: Path = ROOT) -> None:
+        """``root``: the kvgate checkout to run (``python -m gateway.cli`` from there)."""
+        self.root = root
         self.args = ["--policy", policy, "--log-level", "warning",
                      *(a for u in replica_urls for a in ("--replica", u)), *extra_args]
         self._choose_port()
-        self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="kvgate-gw-"))) / f"gateway-{policy}.log"
+        name = f"gateway-{policy}" + ("" if root == ROOT else f"-{root.name}")  # two checkouts, two logs
+        self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="kvgate-gw-"))) / f"{name}.log"
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -74,7 +77,7 @@ class GatewayProcess:
     def __enter__(self) -> Self:
         for attempt in range(3):
             with open(self.log_path, "wb") as log:
-                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(self.root),
                                              env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                              start_new_session=True)
             try:

@@ -129,15 +129,18 @@ class Timings:
     """Cumulative wall time per plugin, keyed "<kind>/<name>" (e.g. "scorer/ttft")."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, int] = {}
-        self._total_s: dict[str, float] = {}
+        self._totals: dict[str, list[float]] = {}  # key -> [calls, seconds]: one lookup a call
 
     def add(self, key: str, seconds: float) -> None:
-        self._calls[key] = self._calls.get(key, 0) + 1
-        self._total_s[key] = self._total_s.get(key, 0.0) + seconds
+        total = self._totals.get(key)
+        if total is None:
+            self._totals[key] = [1, seconds]
+        else:
+            total[0] += 1
+            total[1] += seconds
 
     def snapshot(self) -> dict[str, PluginTiming]:
-        return {k: PluginTiming(self._calls[k], self._total_s[k]) for k in self._calls}
+        return {k: PluginTiming(int(calls), seconds) for k, (calls, seconds) in self._totals.items()}
 
     def timed(self, key: str, fn: Callable[..., T], *args: object) -> T:
         start = time.perf_counter()
@@ -178,6 +181,12 @@ class Pipeline:
             resident_window_s  # the window the gateway asks resident_tokens for
         )
         self._timings = Timings()
+        # the plugins' timing keys, formatted once (a decision times five to seven calls)
+        self._filter_keys = tuple(f"filter/{f.name}" for f in self.filters)
+        self._scorer_keys = tuple(f"scorer/{s.name}" for s, _ in self.scorers)
+        self._picker_key = f"picker/{picker.name}"
+        self._explainer_key = f"explainer/{self.explainer.name}"
+        self._total_weight = sum(w for _, w in self.scorers)
         arrays = hasattr(picker, "pick_index") and all(hasattr(s, "score_array") for s, _ in self.scorers)
         self.array_min: int | None = array_min_candidates if arrays else None  # None: never arrays
 
@@ -195,21 +204,22 @@ class Pipeline:
 
     def decide(self, ctx: RequestContext, inputs: RoutingInputs, rng: random.Random) -> Decision:
         candidates: list[ReplicaView] = list(inputs.replicas)
-        for f in self.filters:
-            candidates = self._timings.timed(f"filter/{f.name}", f.filter, ctx, inputs, candidates)
+        timed = self._timings.timed
+        for f, key in zip(self.filters, self._filter_keys, strict=True):
+            candidates = timed(key, f.filter, ctx, inputs, candidates)
         if not candidates:
             raise NoRoutableReplica(f"no routable replica among {len(inputs.replicas)}")
         ids = [c.id for c in candidates]
         if self.array_min is not None and len(ids) >= self.array_min and len(set(ids)) == len(ids):
             values = self._combined_array(ctx, inputs, candidates)
             picker: ArrayPicker = self.picker  # type: ignore[assignment]
-            chosen = ids[self._timings.timed(f"picker/{picker.name}", picker.pick_index, values, rng)]
+            chosen = ids[timed(self._picker_key, picker.pick_index, values, rng)]
             scores = dict(zip(ids, values.tolist(), strict=True))
         else:
             scores = self._combined_scores(ctx, inputs, candidates)
-            chosen = self._timings.timed(f"picker/{self.picker.name}", self.picker.pick, scores, rng)
-        why = self._timings.timed(
-            f"explainer/{self.explainer.name}",
+            chosen = timed(self._picker_key, self.picker.pick, scores, rng)
+        why = timed(
+            self._explainer_key,
             self.explainer.explain,
             ctx,
             inputs,
@@ -228,14 +238,12 @@ class Pipeline:
     def _combined_scores(
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> dict[ReplicaId, float]:
-        total_weight = sum(w for _, w in self.scorers)
+        total_weight = self._total_weight
         combined = {c.id: 0.0 for c in candidates}
-        for scorer, weight in self.scorers:
+        for (scorer, weight), key in zip(self.scorers, self._scorer_keys, strict=True):
             if weight == 0:
                 continue
-            part = self._timings.timed(
-                f"scorer/{scorer.name}", scorer.score, ctx, inputs, candidates
-            )
+            part = self._timings.timed(key, scorer.score, ctx, inputs, candidates)
             for rid in combined:
                 combined[rid] += weight * min(max(part.get(rid, 0.0), 0.0), 1.0)
         return {rid: s / total_weight for rid, s in combined.items()}
@@ -244,13 +252,13 @@ class Pipeline:
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> npt.NDArray[np.float64]:
         """`_combined_scores` over arrays: the same operations per candidate, same order."""
-        total_weight = sum(w for _, w in self.scorers)
+        total_weight = self._total_weight
         combined = np.zeros(len(candidates))
-        for scorer, weight in self.scorers:
+        for (scorer, weight), key in zip(self.scorers, self._scorer_keys, strict=True):
             if weight == 0:
                 continue
             array_scorer: ArrayScorer = scorer  # type: ignore[assignment]
-            part = self._timings.timed(f"scorer/{scorer.name}", array_scorer.score_array, ctx, inputs, candidates)
+            part = self._timings.timed(key, array_scorer.score_array, ctx, inputs, candidates)
             combined = combined + weight * np.minimum(np.maximum(part, 0.0), 1.0)
         out: npt.NDArray[np.float64] = combined / total_weight
         return out

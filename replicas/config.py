@@ -80,6 +80,10 @@ class RegistryConfig(BaseModel):
         "`/v1/loads` of every serving replica this often (load not routed by this gateway); "
         "the largest background cost: polls slowed to 5 s / 10 s took bench peers from 1.06x to 0.96-0.99x "
         "sglang-router's CPU a request"))
+    poll_batch: int = Field(default=16, ge=0, description=(
+        "replicas probed (and load-polled) at once at most: a larger fleet is probed in batches spread "
+        "evenly over the interval, so the event loop never runs a fleet-wide burst of GETs "
+        "(0: every replica at once)"))
     drain_timeout_s: float = 600.0
     drain_check_interval_s: float = Field(
         default=0.25, description="how often drain deadlines are checked while a replica drains (no wake-ups otherwise)"

@@ -59,6 +59,8 @@ class ReplicaRecord:
     ready_path: ReadyPath = ReadyPath.READY
     model_cards: tuple[dict[str, Any], ...] = ()
     ejected: bool = False  # set and cleared by the registry from its OutlierDetector
+    _view: ReplicaView | None = field(default=None, repr=False)  # the last view, and what it was made of
+    _view_of: tuple[object, ...] = field(default=(), repr=False)
 
     @property
     def operator_drain(self) -> bool:
@@ -69,7 +71,22 @@ class ReplicaRecord:
         return self.counters.in_flight + max(0, self.remote.in_flight)
 
     def view(self, held_prefill: tuple[int, ...] = ()) -> ReplicaView:
-        """``held_prefill``: what this gateway's admission holds for the replica."""
+        """``held_prefill``: what this gateway's admission holds for the replica.
+
+        The last view again while nothing it is made of changed (every mutable input is
+        in ``made_of``; capacity, reported loads and drain are replaced, never mutated):
+        a request reads every replica's view, and at 512 replicas building them all
+        cost ~1.9 ms a request, most of them unchanged since the last one."""
+        c, r = self.counters, self.remote
+        made_of = (self.state, c.in_flight, c.pending_prefill_tokens, c.decoding, r.in_flight,
+                   r.pending_prefill_tokens, r.decoding, self.capacity, self.reported, self.drain,
+                   self.removal_candidate, self.ejected, held_prefill)
+        if self._view is None or made_of != self._view_of:
+            self._view = self._build_view(held_prefill)
+        self._view_of = made_of  # (an equal new object, e.g. the same loads polled again: compared by identity next time)
+        return self._view
+
+    def _build_view(self, held_prefill: tuple[int, ...]) -> ReplicaView:
         cap = self.capacity or Capacity()
         c, r, rep = self.counters, self.remote, self.reported
         return ReplicaView(

@@ -103,15 +103,42 @@ class Registry:
 
     async def _every(self, interval_s: float, fn: Callable[[], Awaitable[None]],
                      gate: asyncio.Event | None = None) -> None:
-        """``fn`` every ``interval_s``; with a ``gate``, only while it is set (asleep otherwise)."""
+        """``fn`` every ``interval_s`` (start to start; at once after a run longer than that);
+        with a ``gate``, only while it is set (asleep otherwise)."""
+        loop = asyncio.get_running_loop()
         while True:
             if gate is not None:
                 await gate.wait()
+            started = loop.time()
             try:
                 await fn()
             except Exception:  # a loop must survive one bad iteration
                 log.exception("registry loop %s failed", fn.__name__)
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(max(started + interval_s - loop.time(), 0.0))
+
+    async def _spread(self, interval_s: float, fn: Callable[[ReplicaRecord], Awaitable[None]],
+                      records: Sequence[ReplicaRecord]) -> None:
+        """``fn`` of every record: at once up to ``poll_batch`` records, else in batches of
+        that size started evenly over ``interval_s`` (one batch's GETs per wake-up, not the
+        fleet's); returns when every batch has ended."""
+        batch = self.config.poll_batch
+        if batch <= 0 or len(records) <= batch:
+            await asyncio.gather(*(fn(r) for r in records))
+            return
+        loop = asyncio.get_running_loop()
+        starts = range(0, len(records), batch)
+        gap_s = interval_s / len(starts)
+        begun = loop.time()
+        running: list[asyncio.Future[list[None]]] = []
+        try:
+            for i, first in enumerate(starts):
+                if i:
+                    await asyncio.sleep(max(begun + i * gap_s - loop.time(), 0.0))
+                running.append(asyncio.gather(*(fn(r) for r in records[first:first + batch])))
+            await asyncio.gather(*running)
+        finally:
+            for batch_run in running:
+                batch_run.cancel()  # (stopped while batches were running; no-op once they ended)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -302,7 +329,7 @@ class Registry:
         self._probe_log.forget(rid)
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(r) for r in list(self._table.records.values())))
+        await self._spread(self.config.probe_interval_s, self._probe, list(self._table.records.values()))
 
     async def _probe(self, rec: ReplicaRecord) -> None:
         timeout = self.config.probe_timeout_s
@@ -343,8 +370,9 @@ class Registry:
             if got is not None:
                 rec.reported = got
 
-        await asyncio.gather(*(one(r) for r in list(self._table.records.values())
-                               if r.ever_ok and r.state is not ReplicaState.DRAINING))
+        await self._spread(self.config.loads_poll_interval_s, one,
+                           [r for r in self._table.records.values()
+                            if r.ever_ok and r.state is not ReplicaState.DRAINING])
 
     # ----------------------------------------------------------------- load
     def lease(self, url: str, predicted_uncached_tokens: int) -> LoadLease:

@@ -115,6 +115,7 @@ class Case:
 
 def cases(opts: Options) -> list[tuple[Case, bytes]]:
     sizes = [("small", small_body(), opts.small)] + [(f"{k}KB", large_body(k), opts.large) for k in opts.kbs]
+    sizes = [size for size in sizes if size[2] > 0]  # 0 samples: that size is not measured
     out: list[tuple[Case, bytes]] = []
     for c in opts.concurrency:
         for name, body, n in sizes:
@@ -203,7 +204,7 @@ async def measured_rows(
         for case, body in cases(opts):
             console.print(f"overhead: {', '.join(h['target'] for h in heads)}, {case.body} stream={case.stream} "
                           f"c={case.concurrency} x {case.n}")
-            samples = await measure_interleaved(replica, gateways, body, case.n, case.concurrency)
+            samples = await measure_interleaved(replica, gateways, body, case.n, case.concurrency, opts.seed)
             for head, s in zip(heads, samples, strict=True):
                 rows.extend(case_rows(head, case, s, opts))
     except MEASURE_ERRORS as e:
@@ -302,8 +303,8 @@ def run_overhead(args: argparse.Namespace, targets: Sequence[str], console: Cons
 
 def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     d = Options()
-    parser.add_argument("--small", type=int, default=d.small, help="small requests per side and case")
-    parser.add_argument("--large", type=int, default=d.large, help="large requests per side and case")
+    parser.add_argument("--small", type=int, default=d.small, help="small requests per side and case (0: none)")
+    parser.add_argument("--large", type=int, default=d.large, help="large requests per side and case (0: none)")
     parser.add_argument("--kbs", default="100,400", help="large body sizes (KB), comma-separated")
     parser.add_argument("--concurrency", default="1,32", help="requests in flight per round, comma-separated")
     parser.add_argument("--resamples", type=int, default=d.resamples, help="bootstrap resamples")

@@ -39,6 +39,7 @@ import httptools
 import uvloop
 from multidict import CIMultiDict
 
+from loadtest.h1_server import RequestParsing
 from loadtest.peers.python_floor import HOP, SESSION_HEADER, Replicas
 
 REASONS = {s.value: s.phrase.encode("latin-1") for s in HTTPStatus}
@@ -248,27 +249,20 @@ class UpstreamConnection(asyncio.Protocol):
             front.done(True)
 
 
-class Front(asyncio.Protocol):
+class Front(RequestParsing):
     """One client connection: parses a request, hands it to a replica's pool."""
 
     def __init__(self, replicas: Replicas[Pool] | Replicas[AiohttpPool]) -> None:
+        super().__init__()
         self.replicas = replicas
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.session = b""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-            self.done(True)
+    def bad_request(self) -> None:
+        self.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        self.done(True)
 
     def on_message_begin(self) -> None:
         self.url, self.headers, self.body, self.session = b"", [], [], b""

@@ -33,16 +33,25 @@ FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN, PYTHON_FLOOR_PROTOCOL, PYTHON_FLOO
 def parse_targets(text: str) -> list[str]:
     targets = [t.strip() for t in text.split(",") if t.strip()]
     for t in targets:
-        if t not in PEERS and t not in ("kvgate", *FLOORS) and not t.startswith("kvgate-"):
+        if t not in PEERS and t not in ("kvgate", *FLOORS) and not t.startswith(("kvgate-", "kvgate@")):
             raise ValueError(
-                f"unknown target {t!r}: kvgate, kvgate-<policy>, {', '.join(FLOORS)} or one of {', '.join(PEERS)}"
+                f"unknown target {t!r}: kvgate, kvgate-<policy>, kvgate@<checkout>, {', '.join(FLOORS)} "
+                f"or one of {', '.join(PEERS)}"
             )
+        if (checkout := kvgate_checkout(t)) is not None and not (checkout / "gateway" / "cli.py").is_file():
+            raise ValueError(f"target {t!r}: {checkout} is not a kvgate checkout (no gateway/cli.py)")
     return targets
+
+
+def kvgate_checkout(target: str) -> Path | None:
+    """``kvgate@<dir>``: kvgate (cache-aware) run from another checkout, e.g. a ``git
+    worktree`` of an older commit, to compare two versions in one interleaved run."""
+    return Path(target.removeprefix("kvgate@")).resolve() if target.startswith("kvgate@") else None
 
 
 def kvgate_policy(target: str) -> str | None:
     """The kvgate policy of a target name (None for a peer)."""
-    if target == "kvgate":
+    if target == "kvgate" or target.startswith("kvgate@"):
         return "cache-aware"
     return target.removeprefix("kvgate-") if target.startswith("kvgate-") else None
 
@@ -57,7 +66,7 @@ def open_target(
         with _python_floor(target, workers, log_dir) as opened:
             yield opened
     elif policy is not None:
-        with GatewayProcess(policy, workers, gateway_args, log_dir=log_dir) as gw:
+        with GatewayProcess(policy, workers, gateway_args, log_dir=log_dir, root=kvgate_checkout(target) or ROOT) as gw:
             assert gw.proc is not None
             yield gw.url, gw.proc.pid
     else:
@@ -108,6 +117,8 @@ def target_version(target: str) -> str:
         return "pass-through (asyncio Protocol server+aiohttp)"
     if target == PYTHON_FLOOR_PROTOCOL_PULL:
         return "pass-through (asyncio Protocols, chunks pulled by a task)"
+    if (checkout := kvgate_checkout(target)) is not None:
+        return f"kvgate cache-aware from {checkout}"
     policy = kvgate_policy(target)
     return f"kvgate {policy}" if policy is not None else PEERS[target].version
 

@@ -882,3 +882,30 @@ async def test_close_while_a_send_waits_makes_it_connect_failed() -> None:
             if isinstance(outcome, H1Response):
                 await outcome.aclose()
             hold.set()
+
+
+async def test_arrived_takes_a_whole_answer_at_once_and_nothing_before_its_end() -> None:
+    """``arrived``: the body of an answer that has ended complete (the proxy then sends it
+    without waiting, so without a timer); None while a body is still coming."""
+    release = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(answer(b"whole"))  # the head and the body at once
+        await read_request(reader)
+        writer.write(SSE_HEAD.replace(b"text/event-stream", b"application/json") + chunk_frame(b"par"))
+        await release.wait()
+        writer.write(chunk_frame(b"tial") + b"0\r\n\r\n")
+        await writer.drain()
+        await until_eof(reader)
+
+    async with fake_replica(serve) as replica, h1() as pool:
+        whole = await send(pool, replica.url, b"{}")
+        await asyncio.sleep(0.05)  # (the body is parsed as it arrives)
+        assert whole.arrived() == b"whole"
+        assert await read_body(whole) == b""  # taken: nothing is left to pull
+        partial = await send(pool, replica.url, b"{}")
+        await asyncio.sleep(0.05)
+        assert partial.arrived() is None  # still coming
+        release.set()
+        assert await read_body(partial) == b"partial"

@@ -1,4 +1,4 @@
-"""Unit tests of the proxy's pure parts and of the stream cleanup guarantees."""
+"""Unit tests of the proxy's pure parts and of the cleanup guarantees of streamed and buffered answers."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,9 @@ import orjson
 import pytest
 from starlette.types import Message
 
+from gateway.bodies import header_map
 from gateway.relay import (
+    AnsweredResponse,
     HeaderPolicy,
     RelayResponse,
     UsageSniffer,
@@ -130,6 +132,55 @@ async def test_relay_cleanup_runs_on_client_disconnect() -> None:
 async def test_relay_cleanup_runs_on_completion() -> None:
     sent, closed = await _cleanup_runs(disconnect_after=10_000)
     assert closed and len(sent) == 1000
+
+
+# -- a buffered answer: sent first, its bookkeeping after, always -----------------------------
+def _answered(order: list[str]) -> AnsweredResponse:
+    async def on_close() -> None:
+        await asyncio.sleep(0)  # the bookkeeping may await (index hooks)
+        order.append("closed")
+
+    return AnsweredResponse(b'{"ok":1}', 200, [(b"content-type", b"application/json")], on_close)
+
+
+async def _no_receive() -> Message:
+    raise AssertionError("a whole answer does not read the request")
+
+
+async def test_answered_response_sends_then_runs_its_bookkeeping() -> None:
+    order: list[str] = []
+
+    async def send(message: Message) -> None:
+        order.append(message["type"])
+        if message["type"] == "http.response.start":
+            assert (b"content-length", b"8") in message["headers"]
+
+    await _answered(order)({"type": "http"}, _no_receive, send)
+    assert order == ["http.response.start", "http.response.body", "closed"]
+
+
+@pytest.mark.parametrize("failure", [OSError("client gone"), asyncio.CancelledError()])
+async def test_answered_response_runs_its_bookkeeping_when_the_send_fails(failure: BaseException) -> None:
+    order: list[str] = []
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            raise failure
+
+    with pytest.raises(type(failure)):
+        await _answered(order)({"type": "http"}, _no_receive, send)
+    assert order == ["closed"]
+
+
+async def test_an_abandoned_answer_runs_its_bookkeeping() -> None:
+    order: list[str] = []
+    await _answered(order).abandon()
+    assert order == ["closed"]
+
+
+def test_header_map_keeps_the_first_value_of_a_name() -> None:
+    raw = [(b"x-session-id", b"a"), (b"Content-Type", b"application/json"), (b"x-session-id", b"b")]
+    assert header_map(raw) == {"x-session-id": "a", "content-type": "application/json"}
 
 
 # -- retry semantics over fake replicas (httpx MockTransport through HttpxUpstream) ----------

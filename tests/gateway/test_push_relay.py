@@ -1,15 +1,17 @@
 """The push relay's run (gateway.push_relay.PushRun) over a stub source and writer: the
-end, the stall bound, flow control, cancellation. The relay over real processes is in the
+end, the stall bound, flow control, cancellation; ``ChunkWriter.one_write`` over a stub
+cycle. The relay over real processes is in the
 integration and safety suites (the default client pushes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
 
 from gateway.h1_upstream import PushSink
-from gateway.push_relay import PushRun, WritingListener
+from gateway.push_relay import ChunkWriter, PushRun, WritingListener
 from gateway.upstream import Disconnected
 
 
@@ -117,3 +119,64 @@ async def test_cancelled_run_detaches(monkeypatch: Any) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert source.sink is None and writer.listener is None
+
+
+# -- one_write: a whole answer's head and body in one transport write ---------------------------
+class Transport:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.calls.append(("write", data))
+
+    def writelines(self, parts: tuple[bytes, ...]) -> None:
+        self.calls.append(("writelines", b"|".join(parts)))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.calls.append(("close", b""))
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.transport: Any = Transport()
+
+
+def one_write_writer() -> tuple[ChunkWriter, Cycle, Transport]:
+    cycle = Cycle()
+    transport = cycle.transport
+    return ChunkWriter(cycle, lambda listener: None), cycle, transport  # type: ignore[arg-type]
+
+
+def test_one_write_sends_the_head_with_the_body_and_restores_the_transport() -> None:
+    writer, cycle, transport = one_write_writer()
+    with writer.one_write():
+        cycle.transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        assert transport.calls == []  # held for the body
+        cycle.transport.write(b"body")
+        cycle.transport.close()  # (uvicorn closes a connection that does not keep alive)
+        assert transport.calls == [("writelines", b"HTTP/1.1 200 OK\r\n\r\n|body"), ("close", b"")]
+    assert cycle.transport is transport
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_one_write_writes_a_head_left_held_at_the_end(fails: bool) -> None:
+    writer, cycle, transport = one_write_writer()
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext(), writer.one_write():
+        cycle.transport.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        if fails:
+            raise RuntimeError("the body send failed")
+    assert transport.calls == [("write", b"HTTP/1.1 204 No Content\r\n\r\n")] and cycle.transport is transport
+
+
+def test_one_write_passes_through_what_is_not_a_head_or_a_closing_transport() -> None:
+    writer, cycle, transport = one_write_writer()
+    with writer.one_write():
+        cycle.transport.write(b"not a head")
+    transport.closing = True
+    with writer.one_write():
+        cycle.transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    assert transport.calls == [("write", b"not a head"), ("write", b"HTTP/1.1 200 OK\r\n\r\n")]

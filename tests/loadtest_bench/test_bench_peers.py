@@ -14,7 +14,7 @@ from gateway.cli import main as kvgate_main
 from loadtest.bench_cmd import BENCHES, run_bench
 from loadtest.peers.run import PEERS, missing_peers, peer_command
 from loadtest.peers.summary import COUNTER, with_replica_side
-from loadtest.peers.targets import check_peers, kvgate_policy, parse_targets
+from loadtest.peers.targets import check_peers, kvgate_checkout, kvgate_policy, parse_targets
 from loadtest.results import RequestRecord, RunResult, summarize
 
 METRICS = b"""# HELP sglang:num_requests_total Number of requests processed.
@@ -43,6 +43,12 @@ def test_targets() -> None:
     assert kvgate_policy("python-floor") is None
     with pytest.raises(ValueError, match="unknown target"):
         parse_targets("kvgate,nginx")
+    root = Path(__file__).resolve().parents[2]
+    assert parse_targets(f"kvgate,kvgate@{root}") == ["kvgate", f"kvgate@{root}"]
+    assert kvgate_policy(f"kvgate@{root}") == "cache-aware" and kvgate_checkout(f"kvgate@{root}") == root
+    assert kvgate_checkout("kvgate") is None
+    with pytest.raises(ValueError, match="not a kvgate checkout"):
+        parse_targets(f"kvgate@{root / 'docs'}")
 
 
 def test_missing_peers_and_command(tmp_path: Path) -> None:

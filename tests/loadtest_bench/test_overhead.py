@@ -26,6 +26,8 @@ from loadtest.peers.overhead import (
 from loadtest.peers.python_floor import Replicas
 from loadtest.simulator.ports import free_port
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def _samples(n: int) -> Samples:
     direct = [0.001 + 0.00001 * (i % 7) for i in range(n)]
@@ -100,6 +102,29 @@ def test_tiny_run_two_kvgates_interleaved(tmp_path: Path) -> None:
     for rate in doc["max_rate"]:
         assert 1 <= len(rate["steps"]) <= 2 and "n" in rate["steps"][0]
     assert doc["options"]["concurrency"] == [1, 4]
+
+
+def test_a_size_with_no_samples_is_not_measured() -> None:
+    parser = argparse.ArgumentParser()
+    add_overhead_arguments(parser)
+    opts = Options.from_args(parser.parse_args(["--concurrency", "1", "--large", "0"]))
+    assert [(c.body, c.stream) for c, _ in cases(opts)] == [("small", False), ("small", True)]
+    opts = Options.from_args(parser.parse_args(["--concurrency", "1", "--small", "0", "--kbs", "400"]))
+    assert [(c.body, c.stream) for c, _ in cases(opts)] == [("400KB", False), ("400KB", True)]
+
+
+def test_tiny_run_of_kvgate_from_another_checkout_beside_this_one(tmp_path: Path) -> None:
+    """``kvgate@<checkout>``: a second kvgate process started from that checkout (this very
+    one here) and measured beside ``kvgate`` in the same interleaved run."""
+    out = tmp_path / "overhead.json"
+    other = f"kvgate@{ROOT}"
+    code = main(["--targets", f"kvgate,{other}", "--small", "6", "--large", "0", "--concurrency", "1",
+                 "--resamples", "20", "--json", str(out)])
+    rows = orjson.loads(out.read_bytes())["overhead"]
+    assert code == 0 and all("error" not in r for r in rows)
+    assert {r["target"] for r in rows} == {"kvgate", other}
+    assert {r["version"] for r in rows if r["target"] == other} == {f"kvgate cache-aware from {ROOT}"}
+    assert {r["body"] for r in rows} == {"small"}
 
 
 def test_tiny_run_sequential(tmp_path: Path) -> None:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
+from replicas import registry as registry_module
 from replicas.config import RegistryConfig
+from replicas.drain import DrainInfo
 from replicas.model import ReplicaState
+from replicas.probe import Capacity, ReportedLoad
 from replicas.registry import Registry
 from tests.replicas.fakes import FakeClock, FakeFleet, FakeReplica, RecordingListener, loads_body
 
@@ -386,3 +390,68 @@ async def test_the_drain_loop_removes_at_the_deadline_and_sleeps_when_nothing_dr
 async def test_ids_are_the_views_replicas_in_their_order() -> None:
     async with harness(A, B) as h:
         assert h.reg.ids() == tuple(v.id for v in h.reg.views()) and len(h.reg.ids()) == 2
+
+
+@pytest.mark.parametrize(("replicas", "batch", "batches"), [(40, 16, [16, 16, 8]), (40, 0, [40]), (16, 16, [16])])
+async def test_probes_of_a_large_fleet_go_in_batches_spread_over_the_interval(
+        monkeypatch: pytest.MonkeyPatch, replicas: int, batch: int, batches: list[int]) -> None:
+    """``poll_batch`` replicas at a time, each batch one gap (interval / batches) after the
+    previous one's start; 0 (or a fleet that small): all at once, no wait."""
+    urls = [f"http://127.0.0.1:{32000 + i}" for i in range(replicas)]
+    async with harness(*urls, poll_batch=batch, probe_interval_s=0.3) as h:
+        started: list[int] = []  # per replica probed: how many waits came before it
+        waits: list[float] = []
+        sleep = asyncio.sleep
+
+        async def fake_sleep(delay: float) -> None:
+            waits.append(delay)
+            await sleep(0)  # (the batch already started runs its first steps)
+
+        def probe(rec: object) -> Coroutine[Any, Any, None]:
+            waited = len(waits)  # when the batch is started (its probes run a step later)
+
+            async def run() -> None:
+                started.append(waited)
+            return run()
+
+        monkeypatch.setattr(registry_module.asyncio, "sleep", fake_sleep)
+        await h.reg._spread(0.3, probe, list(h.reg._table.records.values()))
+        assert [started.count(i) for i in range(len(batches))] == batches and len(started) == replicas
+        gap = 0.3 / len(batches)
+        assert len(waits) == len(batches) - 1
+        assert all((i + 1) * gap - 0.05 < w <= (i + 1) * gap for i, w in enumerate(waits))
+        monkeypatch.undo()
+        await h.reg.probe_all()  # the real probes through the same path: every replica answered
+        assert all(h.rep(u).calls.count("/ready") == 2 for u in urls)  # (one at add)
+
+
+async def test_a_replicas_view_is_kept_until_something_it_is_made_of_changes() -> None:
+    """``ReplicaRecord.view`` hands out the last view while its inputs are unchanged, and a
+    new one, equal to a fresh build, after any change of any of them."""
+    async with harness(A) as h:
+        rec = h.reg._table.records[h.reg.ids()[0]]
+        first = rec.view()
+        assert rec.view() is first and h.reg.views()[0] is first
+        changes = [
+            lambda: setattr(rec.counters, "in_flight", rec.counters.in_flight + 1),
+            lambda: setattr(rec.counters, "pending_prefill_tokens", 500),
+            lambda: setattr(rec.counters, "decoding", 2),
+            lambda: setattr(rec.remote, "in_flight", 3),
+            lambda: setattr(rec.remote, "pending_prefill_tokens", 70),
+            lambda: setattr(rec.remote, "decoding", 1),
+            lambda: setattr(rec, "state", ReplicaState.DRAINING),
+            lambda: setattr(rec, "capacity", Capacity(device_tokens=123, host_tokens=456)),
+            lambda: setattr(rec, "reported", ReportedLoad(running=9, waiting=4)),
+            lambda: setattr(rec, "drain", DrainInfo(deadline_s=99.0, by_operator=True)),
+            lambda: setattr(rec, "removal_candidate", True),
+            lambda: setattr(rec, "ejected", True),
+        ]
+        previous = first
+        for change in changes:
+            change()
+            view = rec.view()
+            assert view is not previous and view == rec._build_view(())
+            assert rec.view() is view  # and kept again
+            previous = view
+        held = rec.view((300,))
+        assert held is not previous and held.held_prefill == (300,)
