@@ -47,7 +47,10 @@ that dies under load must not fail the requests that were about to reach it. Str
 re-chunking); ``usage`` is sniffed from SSE lines and parsed once at the end
 (``gateway.relay``). The load lease is released and ``policy.on_completed`` called when
 the response ends, fails, or the client leaves (``RelayResponse`` runs the cleanup in a
-``finally`` shielded from cancellation).
+``finally`` shielded from cancellation). A buffered answer (``AnsweredResponse``) runs the
+same bookkeeping right after its body is handed to the client's transport, so the client
+does not wait for it; an answer that came whole with its head (``H1Response.arrived``) is
+taken without waiting, so without timers.
 """
 from __future__ import annotations
 
