@@ -312,12 +312,12 @@ class Proxy:
         do not herd onto one replica. A clear preference (affinity, a long prefix match) is
         never overridden. The decision follows the replica actually reserved."""
         registry = self.registry
-        if not self.shared_state or decision.reason == PINNED:  # (no near-ties to settle: no sort of the scores)
-            return decision, registry.lease(decision.replica, decision.predicted_uncached_tokens)
-        floor = decision.scores.get(decision.replica, 0.0) - self.cfg.reserve_margin
-        others = sorted((r for r, score in decision.scores.items()
-                         if score >= floor and r != decision.replica and r not in tried),
-                        key=lambda r: -decision.scores[r])
+        others: list[ReplicaId] = []
+        if self.shared_state and decision.reason != PINNED:  # (else no near-ties to settle: no sort of the scores)
+            floor = decision.scores.get(decision.replica, 0.0) - self.cfg.reserve_margin
+            others = sorted((r for r, score in decision.scores.items()
+                             if score >= floor and r != decision.replica and r not in tried),
+                            key=lambda r: -decision.scores[r])
         if not others:
             return decision, registry.lease(decision.replica, decision.predicted_uncached_tokens)
         lease = await registry.reserve([decision.replica, *others], decision.predicted_uncached_tokens)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
@@ -39,6 +39,12 @@ if TYPE_CHECKING:
     from gateway.h1_upstream import PushSink
 
 PUSH_EXTENSION = "kvgate.push"
+
+
+def edge_writer(scope: Mapping[str, Any]) -> ChunkWriter | None:
+    """The request's ``ChunkWriter``, when kvgate's own edge serves it (else None)."""
+    writer = scope.get("extensions", {}).get(PUSH_EXTENSION)
+    return writer if isinstance(writer, ChunkWriter) else None
 
 
 class WritingListener(Protocol):

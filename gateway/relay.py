@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.client_watch import ClientWatch
 from gateway.errors import GatewayError, UpstreamError, anthropic_error_body, api_of, error_body
-from gateway.push_relay import PUSH_EXTENSION, ChunkWriter
+from gateway.push_relay import ChunkWriter, edge_writer
 from gateway.upstream_config import UpstreamConfig
 
 HOP_BY_HOP = frozenset({
@@ -294,7 +294,7 @@ class RelayResponse(ClosingResponse):
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
                 content = self.body_iterator
-                writer = scope.get("extensions", {}).get(PUSH_EXTENSION)
+                writer = edge_writer(scope)
                 if isinstance(content, PushableStream) and writer is not None and writer.ready() \
                         and content.can_push():
                     await content.push(writer)
@@ -325,9 +325,9 @@ class AnsweredResponse(ClosingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        writer = scope.get("extensions", {}).get(PUSH_EXTENSION)
+        writer = edge_writer(scope)
         try:
-            with writer.one_write() if isinstance(writer, ChunkWriter) else contextlib.nullcontext():
+            with writer.one_write() if writer is not None else contextlib.nullcontext():
                 await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
                 await send({"type": "http.response.body", "body": self.body})
         except BaseException:

@@ -33,7 +33,7 @@ from uvicorn.server import Server
 
 from gateway.edge import Edge, EdgeServerState
 from gateway.errors import anthropic_error_body, api_of, endpoint_of, error_body
-from gateway.push_relay import PUSH_EXTENSION, ChunkWriter
+from gateway.push_relay import ChunkWriter, edge_writer
 from gateway.relay import sse_error
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class EdgeApp:
         task = current_task()
         edge.active += counted
         edge.requests.add(task)  # type: ignore[arg-type]  # always inside a task here
-        relay = _Relay(send, edge, scope["path"], scope.get("extensions", {}).get(PUSH_EXTENSION))
+        relay = _Relay(send, edge, scope["path"], edge_writer(scope))
         try:
             await self.app(scope, receive, relay.send)
         except asyncio.CancelledError:

@@ -26,11 +26,10 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +41,9 @@ from loadtest.bench_gateway import PROFILE, Samples, measure_interleaved, small_
 from loadtest.bench_simulator import process_cpu_s
 from loadtest.bootstrap import bootstrap_differences
 from loadtest.demo import GatewayProcess
-from loadtest.simulator.fleet import SimFleet, stop_process
-from loadtest.stub_fleet import capture
+from loadtest.simulator.fleet import SimFleet
+from loadtest.stub_fleet import capture, running
 
-ROOT = Path(__file__).resolve().parents[1]
 QS = (50.0, 90.0, 99.0, 99.9)
 
 
@@ -57,26 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join-timeout-s", type=float, default=120.0, help="for every replica to be routable")
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-
-
-@contextlib.contextmanager
-def stub_fleet(answers: dict[str, Any], ports: int, work: Path) -> Iterator[tuple[list[str], int]]:
-    """The stub process on ``ports`` ports: (replica URLs, pid)."""
-    answers_path, announce = work / "answers.json", work / "ports.json"
-    answers_path.write_text(json.dumps(answers))
-    with open(work / "stub-fleet.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "loadtest.stub_fleet", "--answers", str(answers_path),
-                                 "--ports", str(ports), "--announce", str(announce)],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
-    try:
-        deadline = time.monotonic() + 60.0
-        while not announce.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"stub fleet did not start; log: {work / 'stub-fleet.log'}")
-            time.sleep(0.1)
-        yield [f"http://127.0.0.1:{p}" for p in json.loads(announce.read_text())], proc.pid
-    finally:
-        stop_process(proc)
 
 
 def wait_routable(url: str, n: int, timeout_s: float) -> float:
@@ -130,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=work) as sim:
         answers = capture(sim.urls[0], body)
     modes = [(f"batches of {args.batch}", str(args.batch)), ("all at once", "0")]
-    with stub_fleet(answers, args.replicas, work) as (urls, _stub_pid), contextlib.ExitStack() as stack:
+    with running(answers, args.replicas, work) as (urls, _stub_pid), contextlib.ExitStack() as stack:
         gateways = []
         for name, batch in modes:
             gw = stack.enter_context(GatewayProcess("cache-aware", urls, ["--set", f"registry.poll_batch={batch}"],

@@ -12,22 +12,31 @@ keep-alive HTTP/1.1 parsed by httptools. Every port answers the same: N URLs, on
 behaviour, ~20-30 us of CPU a request.
 
     python -m loadtest.stub_fleet --answers answers.json --ports 512 --announce ports.json
+
+``running(answers, ports, work)`` starts it so and yields its URLs (`kvgate bench polls`).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import signal
 import socket
-from collections.abc import Sequence
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtest.h1_server import RequestParsing
+from loadtest.simulator.fleet import stop_process
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CAPTURED_GETS = ("/ready", "/health", "/server_info", "/v1/models", "/v1/loads?include=core")
 Answer = bytes  # a whole HTTP/1.1 response, ready to write
@@ -100,6 +109,27 @@ async def serve(answers: dict[bytes, Answer], ports: int, announce: Path) -> Non
     await stop.wait()
     for s in servers:
         s.close()
+
+
+@contextlib.contextmanager
+def running(answers: dict[str, Any], ports: int, work: Path) -> Iterator[tuple[list[str], int]]:
+    """This module as a child process on ``ports`` ports, replaying ``answers`` (``capture``'s);
+    yields (replica URLs, pid) and stops it at the end. Its log and files go to ``work``."""
+    answers_path, announce = work / "answers.json", work / "ports.json"
+    answers_path.write_text(json.dumps(answers))
+    with open(work / "stub-fleet.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "loadtest.stub_fleet", "--answers", str(answers_path),
+                                 "--ports", str(ports), "--announce", str(announce)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+    try:
+        deadline = time.monotonic() + 60.0
+        while not announce.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"stub fleet did not start; log: {work / 'stub-fleet.log'}")
+            time.sleep(0.1)
+        yield [f"http://127.0.0.1:{p}" for p in json.loads(announce.read_text())], proc.pid
+    finally:
+        stop_process(proc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

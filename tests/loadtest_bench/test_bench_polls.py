@@ -3,10 +3,6 @@ many ports, and one tiny end-to-end run (two real gateways in front of 24 replic
 from __future__ import annotations
 
 import base64
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -14,10 +10,8 @@ import orjson
 
 from gateway.cli import main as kvgate_main
 from loadtest.bench_gateway import PROFILE, small_body
-from loadtest.simulator.fleet import SimFleet, stop_process
-from loadtest.stub_fleet import CAPTURED_GETS, capture
-
-ROOT = Path(__file__).resolve().parents[2]
+from loadtest.simulator.fleet import SimFleet
+from loadtest.stub_fleet import CAPTURED_GETS, capture, running
 
 
 def test_the_stub_fleet_replays_a_simulated_replica_on_every_port(tmp_path: Path) -> None:
@@ -26,28 +20,16 @@ def test_the_stub_fleet_replays_a_simulated_replica_on_every_port(tmp_path: Path
     assert {p.split("?")[0] for p in CAPTURED_GETS} | {"/v1/chat/completions"} == set(answers)
     completion = orjson.loads(base64.b64decode(answers["/v1/chat/completions"]["body"]))
     assert answers["/v1/chat/completions"]["status"] == 200 and completion["usage"]["prompt_tokens"] > 0
-    (tmp_path / "answers.json").write_text(json.dumps(answers))
-    announce = tmp_path / "ports.json"
-    proc = subprocess.Popen([sys.executable, "-m", "loadtest.stub_fleet", "--answers", str(tmp_path / "answers.json"),
-                             "--ports", "3", "--announce", str(announce)], cwd=str(ROOT))
-    try:
-        deadline = time.monotonic() + 30
-        while not announce.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        ports = json.loads(announce.read_text())
-        assert len(set(ports)) == 3
+    with running(answers, 3, tmp_path) as (urls, _pid):
+        assert len(set(urls)) == 3
         with httpx.Client(timeout=5.0, trust_env=False) as client:
-            for port in ports:
-                base = f"http://127.0.0.1:{port}"
+            for base in urls:
                 for _ in range(2):  # keep-alive: the same connection answers again
                     r = client.post(base + "/v1/chat/completions", content=small_body())
                     assert r.status_code == 200 and r.json() == completion
                 loads = client.get(base + "/v1/loads?include=core")
                 assert loads.content == base64.b64decode(answers["/v1/loads"]["body"])
                 assert client.get(base + "/nowhere").status_code == 404
-    finally:
-        stop_process(proc)
 
 
 def test_tiny_bench_polls_run(tmp_path: Path) -> None:
