@@ -56,6 +56,7 @@ from gateway.kv_wiring import attach_precise
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.proxy import CLIENT_CLOSED, PINNED, Proxy
+from gateway.push_relay import edge_writer
 from gateway.relay import (
     ClosingResponse,
     HeaderPolicy,
@@ -210,7 +211,7 @@ class Gateway:
     async def _until_client_leaves(request: Request, forward: Awaitable[Response]) -> Response | None:
         """``forward``'s response, or None when the client left first (``forward`` is then
         cancelled: the upstream request is closed and its lease released)."""
-        async with ClientWatch(request.receive):
+        async with ClientWatch(request.receive, edge_writer(request.scope)):
             return await forward
         return None  # the client left (its cancellation was swallowed)
 

@@ -134,6 +134,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self.busy = False  # a request is in progress (first byte .. response complete)
         self.counted = False
         self.writing_listener: WritingListener | None = None  # a push relay's flow control
+        self.writers: list[ChunkWriter] = []  # of the requests whose response is not complete
 
     # ----------------------------------------------------------------- connections
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -157,6 +158,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self.edge.idle.pop(self, None)
         self._uncount()
         super().connection_lost(exc)
+        writers, self.writers = self.writers, []
+        for writer in writers:  # every request of the connection (uvicorn marks only the last one parsed)
+            writer.client_lost()
 
     def _uncount(self) -> None:
         if self.counted:
@@ -219,7 +223,9 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # (not an upgrade): the push relay's writer
-            self.scope.setdefault("extensions", {})[PUSH_EXTENSION] = ChunkWriter(cycle, self._listen)  # type: ignore[assignment]
+            writer = ChunkWriter(cycle, self._listen)
+            self.writers.append(writer)
+            self.scope.setdefault("extensions", {})[PUSH_EXTENSION] = writer  # type: ignore[assignment]
         if not self.transport.is_closing() and not self.pipeline:  # a queued request waits its turn
             self._arm(self.edge.config.body_timeout_s, "body_timeout")
 
@@ -241,6 +247,7 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self.writers = [w for w in self.writers if not w.cycle.response_complete]
         pipelined = bool(self.pipeline)
         super().on_response_complete()  # arms uvicorn's keep-alive timer when nothing is queued
         if not pipelined and not self.transport.is_closing():

@@ -54,13 +54,34 @@ class WritingListener(Protocol):
 class ChunkWriter:
     """Writes body chunks of one response straight into the client's transport."""
 
-    __slots__ = ("boundary", "cycle", "listen")
+    __slots__ = ("boundary", "cycle", "listen", "lost")
 
     def __init__(self, cycle: RequestResponseCycle, listen: Callable[[WritingListener | None], None]) -> None:
         """``listen``: registers the listener of the connection's pause/resume writing."""
         self.cycle = cycle
         self.listen = listen
         self.boundary = True  # the pushed bytes so far end between two SSE events
+        self.lost: Callable[[], None] | None = None  # told when the client's connection is lost
+
+    def watch(self, lost: Callable[[], None] | None) -> bool:
+        """``lost`` is called (once) when the client's connection is lost; None stops
+        watching. False when the client is gone already (``lost`` is then not kept)."""
+        if lost is not None and self.cycle.disconnected:
+            return False
+        self.lost = lost
+        return True
+
+    def client_lost(self) -> None:
+        """The connection is lost (``EdgeProtocol.connection_lost``): the response is
+        disconnected (uvicorn marks only the request it parsed last; an earlier one of a
+        pipelined connection would write to the closed transport), and the watcher told."""
+        cycle = self.cycle
+        if not cycle.response_complete:
+            cycle.disconnected = True
+        cycle.message_event.set()
+        lost, self.lost = self.lost, None
+        if lost is not None:
+            lost()
 
     def ready(self) -> bool:
         """The head is sent, the body chunked, the response not complete, the client there."""

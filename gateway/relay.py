@@ -290,7 +290,7 @@ class RelayResponse(ClosingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with ClientWatch(receive):
+            async with ClientWatch(receive, edge_writer(scope)):
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
                 content = self.body_iterator

@@ -28,7 +28,6 @@ wake-ups and aiohttp's own code.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 from collections.abc import Sequence
 from http import HTTPStatus
@@ -40,7 +39,7 @@ import uvloop
 from multidict import CIMultiDict
 
 from loadtest.h1_server import RequestParsing
-from loadtest.peers.python_floor import HOP, SESSION_HEADER, Replicas
+from loadtest.peers.python_floor import HOP, SESSION_HEADER, Replicas, floor_parser
 
 REASONS = {s.value: s.phrase.encode("latin-1") for s in HTTPStatus}
 
@@ -303,10 +302,7 @@ class Front(RequestParsing):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--replica", action="append", required=True)
+    parser = floor_parser(__doc__)
     parser.add_argument("--client", choices=("protocol", "pull", "aiohttp"), default="protocol")
     args = parser.parse_args(argv)
     replicas: Replicas[Pool] | Replicas[AiohttpPool]

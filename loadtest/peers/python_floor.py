@@ -56,27 +56,55 @@ class Replicas(Generic[T]):
         return self.replicas[zlib.crc32(session) % len(self.replicas)] if session else next(self.turn)
 
 
-class PassThrough:
-    """An ASGI app: ``/health`` answers itself; every other request goes to a replica."""
-
-    def __init__(self, replicas: Sequence[str]) -> None:
-        self.replicas = Replicas([r.rstrip("/") for r in replicas])
-        self.session: aiohttp.ClientSession | None = None
+class FloorApp:
+    """An ASGI pass-through's frame: the lifespan (``start``, ``stop``), ``/health`` and
+    ``/ready`` answered here, and every other request's body read whole for ``forward``."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        if scope["path"] == "/health":
+        if scope["path"] in ("/health", "/ready"):
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
             return
-        body = b""
+        parts = []
         while True:
             message = await receive()
-            body += message.get("body", b"")
+            parts.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
+        await self.forward(scope, b"".join(parts), send)
+
+    async def forward(self, scope: Scope, body: bytes, send: Send) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """At the lifespan's start-up."""
+
+    async def stop(self) -> None:
+        """At the lifespan's shutdown."""
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+class PassThrough(FloorApp):
+    """Every request goes to a replica through one ``aiohttp`` session."""
+
+    def __init__(self, replicas: Sequence[str]) -> None:
+        self.replicas = Replicas([r.rstrip("/") for r in replicas])
+        self.session: aiohttp.ClientSession | None = None
+
+    async def forward(self, scope: Scope, body: bytes, send: Send) -> None:
         assert self.session is not None
         headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1"))
                               for k, v in scope["headers"] if k not in HOP)
@@ -89,20 +117,15 @@ class PassThrough:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                self.session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=256), cookie_jar=aiohttp.DummyCookieJar(),
-                    auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
-                    trust_env=False)
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                if self.session is not None:
-                    await self.session.close()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=256), cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+            trust_env=False)
+
+    async def stop(self) -> None:
+        if self.session is not None:
+            await self.session.close()
 
 
 def from_env() -> PassThrough:
@@ -111,12 +134,17 @@ def from_env() -> PassThrough:
     return PassThrough(os.environ["KVGATE_FLOOR_REPLICA"].split(","))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def floor_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line every floor takes: where to listen, the replicas."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--replica", action="append", required=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = floor_parser(__doc__).parse_args(argv)
     uvicorn.run(PassThrough(args.replica), host=args.host, port=args.port, loop="uvloop", http="httptools",
                 ws="none", log_level="warning", access_log=False)
 

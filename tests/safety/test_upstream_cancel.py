@@ -74,3 +74,24 @@ def test_client_leaving_during_upload_is_a_quiet_499(setup: tuple[RawFleet, Gate
     wait_until(lambda: _count_499(gw) - counted == 3, 10.0, "499s counted")
     assert fleet.stats(0)["requests"] == sent  # nothing reached the replica
     _quiet(gw)
+
+
+def test_a_pipelining_client_that_leaves_cancels_the_request_in_progress(setup: tuple[RawFleet, Gateway]) -> None:
+    """Two requests pipelined on one connection, the first held by the replica: the client
+    closes. uvicorn marks only the request it parsed last as disconnected (the second, not
+    started); the edge tells every request of the connection, so the first is cancelled
+    upstream too instead of holding its replica until a timeout."""
+    fleet, gw = setup
+    sent, gone, counted = fleet.stats(0)["requests"], fleet.stats(0)["disconnects"], _count_499(gw)
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "pipelined"}]}'
+    one = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+           b"x-raw-mode: hang\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+        sock.sendall(one + one)
+        wait_until(lambda: fleet.stats(0)["requests"] - sent == 1, 10.0, "the first request reaches the replica")
+    wait_until(lambda: fleet.stats(0)["disconnects"] - gone == 1, 10.0, "the replica sees the client leave")
+    wait_until(lambda: _count_499(gw) - counted >= 1, 10.0, "the abandoned request counted 499")
+    wait_until(lambda: all(v["in_flight"] == 0 for v in gw.replicas().values()), 10.0, "no load held")
+    assert fleet.stats(0)["requests"] - sent == 1  # the second never started
+    _quiet(gw)
