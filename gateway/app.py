@@ -56,7 +56,7 @@ from gateway.kv_wiring import attach_precise
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.proxy import CLIENT_CLOSED, PINNED, Proxy
-from gateway.push_relay import edge_writer
+from gateway.push_relay import ChunkWriter, edge_writer
 from gateway.relay import (
     ClosingResponse,
     HeaderPolicy,
@@ -187,8 +187,10 @@ class Gateway:
         client = request.client.host if request.client is not None else None
         # the scope's scheme, not request.url.scheme: building the URL object costs ~6 us a request
         out_headers = upstream_headers(raw_headers, self.header_policy, client, request.scope.get("scheme", "http"))
+        writer = edge_writer(request.scope)
         response = await self._until_client_leaves(
-            request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s, pin))
+            request, writer, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s, pin,
+                                                writer))
         if isinstance(response, ClosingResponse) and endpoint == "responses":
             relayed = response
             try:
@@ -208,10 +210,11 @@ class Gateway:
         return response
 
     @staticmethod
-    async def _until_client_leaves(request: Request, forward: Awaitable[Response]) -> Response | None:
+    async def _until_client_leaves(request: Request, writer: ChunkWriter | None,
+                                   forward: Awaitable[Response]) -> Response | None:
         """``forward``'s response, or None when the client left first (``forward`` is then
         cancelled: the upstream request is closed and its lease released)."""
-        async with ClientWatch(request.receive, edge_writer(request.scope)):
+        async with ClientWatch(request.receive, writer):
             return await forward
         return None  # the client left (its cancellation was swallowed)
 

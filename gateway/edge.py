@@ -223,11 +223,14 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # (not an upgrade): the push relay's writer
-            writer = ChunkWriter(cycle, self._listen)
+            writer = ChunkWriter(cycle, self._listen, self._draining)
             self.writers.append(writer)
             self.scope.setdefault("extensions", {})[PUSH_EXTENSION] = writer  # type: ignore[assignment]
         if not self.transport.is_closing() and not self.pipeline:  # a queued request waits its turn
             self._arm(self.edge.config.body_timeout_s, "body_timeout")
+
+    def _draining(self) -> bool:
+        return self.edge.draining
 
     def _listen(self, listener: WritingListener | None) -> None:
         self.writing_listener = listener

@@ -41,6 +41,7 @@ this client and aiohttp alike):
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections import deque
 from collections.abc import AsyncIterator
@@ -49,8 +50,17 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.upstream import AiohttpUpstream, ConnectFailed, Disconnected, RawHeaders, ResponseLike
+from gateway.upstream import (
+    AiohttpUpstream,
+    AnswerSink,
+    ConnectFailed,
+    Disconnected,
+    RawHeaders,
+    ResponseLike,
+)
 from gateway.upstream_config import UpstreamConfig
+
+log = logging.getLogger("kvgate.upstream")
 
 MAX_HEAD_BYTES = 64 * 1024  # a response head (status line and headers) at most
 PAUSE_BYTES = 1024 * 1024  # a pulled body buffered beyond this pauses reading
@@ -84,9 +94,10 @@ class _Replica:
 class H1Response:
     """A final response head and its body, pulled (``aiter_raw``) or pushed (``push``)."""
 
-    __slots__ = ("_buffered", "_chunks", "_conn", "_ended", "_error", "_sink", "_waiter", "headers", "status_code")
+    __slots__ = ("_answer", "_buffered", "_chunks", "_conn", "_ended", "_error", "_sink", "_waiter", "answered",
+                 "headers", "status_code")
 
-    def __init__(self, conn: _Connection) -> None:
+    def __init__(self, conn: _Connection, answer: AnswerSink | None = None) -> None:
         self._conn: _Connection | None = conn  # None once the answer is complete (the connection is free)
         self.status_code = 0
         self.headers = RawHeaders([])
@@ -96,6 +107,8 @@ class H1Response:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._sink: PushSink | None = None
+        self._answer = answer  # offered the whole answer when it ends complete, until taken back
+        self.answered: bytes | None = None  # the body, when ``_answer`` sent the answer on
 
     # ---------------------------------------------------------------- from the connection
     def _body(self, data: bytes) -> None:
@@ -121,6 +134,18 @@ class H1Response:
         self._ended = True
         self._error = error
         self._conn = None
+        answer, self._answer = self._answer, None
+        if answer is not None and error is None and self._sink is None:
+            data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+            try:
+                taken = answer(self.status_code, self.headers.raw, data)
+            except Exception:  # a bug in the sink must not break the connection's callback: the task sends it
+                log.exception("the answer sink failed; the request's task sends the answer")
+                taken = False
+            if taken:
+                self.answered = data
+                self._chunks.clear()
+                self._buffered = 0
         sink = self._sink
         if sink is not None:
             self._sink = None
@@ -139,10 +164,14 @@ class H1Response:
             conn.abort()
 
     # ---------------------------------------------------------------- for the proxy
+    def keep(self) -> None:
+        """The caller takes the answer from here on: no longer offered to the answer sink."""
+        self._answer = None
+
     def arrived(self) -> bytes | None:
         """The whole body when the answer has already ended complete (taken at once: no
-        wait, so no timer), else None (still coming, broken, or being pushed)."""
-        if not self._ended or self._error is not None or self._sink is not None:
+        wait, so no timer), else None (still coming, broken, being pushed, or ``answered``)."""
+        if not self._ended or self._error is not None or self._sink is not None or self.answered is not None:
             return None
         data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
         self._chunks.clear()
@@ -295,10 +324,11 @@ class _Connection(asyncio.Protocol):
             self.abort()
 
     # ---------------------------------------------------------------- exchanges
-    def request(self, wire: bytes, body: bytes) -> asyncio.Future[H1Response]:
-        """Send one request; the future gets the final response head."""
+    def request(self, wire: bytes, body: bytes, answer: AnswerSink | None = None) -> asyncio.Future[H1Response]:
+        """Send one request; the future gets the final response head; ``answer`` is offered
+        the whole answer when it ends complete (``H1Response.keep`` takes that back)."""
         self._cancel_idle_timer()
-        self.response = H1Response(self)
+        self.response = H1Response(self, answer)
         self.headed = self.until_close = False
         self.head_bytes = 0
         self.head = asyncio.get_running_loop().create_future()
@@ -376,15 +406,15 @@ class H1Upstream:
         self._replicas[url] = found
         return found
 
-    async def send(self, replica: str, path: str, body: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> ResponseLike:
+    async def send(self, replica: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
+                   answer: AnswerSink | None = None) -> ResponseLike:
         target = self._replica(replica)
         if target is None:
             if self._fallback is None:
                 self._fallback = AiohttpUpstream(self.config)
             return await self._fallback.send(replica, path, body, headers)
         wire = _wire(b"POST", target.base + path, target.host_header, len(body), headers)
-        return await self._exchange(target, wire, body)
+        return await self._exchange(target, wire, body, answer)
 
     async def get(self, replica: str, path: str) -> H1Response:
         """``GET replica + path`` (http:// only: probes, ``gateway/h1_probes.py``); returns
@@ -394,10 +424,11 @@ class H1Upstream:
             raise ConnectFailed(f"not an http:// replica: {replica!r}")
         return await self._exchange(target, _wire(b"GET", target.base + path, target.host_header, None, []), b"")
 
-    async def _exchange(self, target: _Replica, wire: bytes, body: bytes) -> H1Response:
+    async def _exchange(self, target: _Replica, wire: bytes, body: bytes,
+                        answer: AnswerSink | None = None) -> H1Response:
         conn = await self._acquire(target)
         try:
-            return await conn.request(wire, body)
+            return await conn.request(wire, body, answer)
         except BaseException:
             conn.abort()  # cancelled or broken before the head: the replica sees the disconnect
             raise

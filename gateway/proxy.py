@@ -72,6 +72,7 @@ from gateway.relay import (
     AnsweredResponse,
     PushableStream,
     RelayResponse,
+    SentResponse,
     Usage,
     UsageSniffer,
     downstream_headers,
@@ -85,6 +86,7 @@ from gateway.router import Router
 from gateway.scaling import HitWindow
 from gateway.stall_watch import StallWatch
 from gateway.upstream import (
+    AnswerSink,
     ConnectFailed,
     ResponseLike,
     Upstream,
@@ -137,6 +139,7 @@ class Attempt:
     complete: bool = False  # the stream reached its end
     stream_error: str | None = None  # the stream broke or stalled after the first byte
     closed: bool = False
+    answered_headers: list[tuple[bytes, bytes]] = dataclasses.field(default_factory=list)  # as the sink wrote them
 
 
 @dataclass(slots=True)
@@ -174,12 +177,14 @@ class Proxy:
 
     async def forward(self, ctx: RequestContext, path: str, body: bytes,
                       headers: list[tuple[bytes, bytes]], started_s: float,
-                      pin: ReplicaId | None = None) -> Response:
+                      pin: ReplicaId | None = None, writer: ChunkWriter | None = None) -> Response:
         """Route, send, relay; failures come back as error responses in the shape of the
         request's API (``ctx.endpoint``). ``pin``: the only replica that may take it (the
         creator of a ``previous_response_id``): the policy decides with every other replica
         excluded, the decision's reason becomes ``previous-response``, nothing is retried
-        elsewhere."""
+        elsewhere. ``writer``: the client's edge writer (kvgate's own edge); a whole answer
+        is then written to the client from the upstream connection's callback
+        (``_answer_sink``)."""
         router = self.router
         inputs = await router.snapshot(ctx)
         try:
@@ -195,14 +200,15 @@ class Proxy:
         self.budget.requests += 1
         response: Response | None = None
         try:
-            response = await self._attempts(ctx, inputs, decision, path, body, headers, started_s)
+            response = await self._attempts(ctx, inputs, decision, path, body, headers, started_s, writer)
             return response
         finally:
             if not isinstance(response, RelayResponse):  # a stream is counted until it ends
                 self.budget.requests -= 1
 
     async def _attempts(self, ctx: RequestContext, inputs: RoutingInputs, decision: Decision, path: str,
-                        body: bytes, headers: list[tuple[bytes, bytes]], started_s: float) -> Response:
+                        body: bytes, headers: list[tuple[bytes, bytes]], started_s: float,
+                        writer: ChunkWriter | None = None) -> Response:
         tries = Tries()
         try:
             while True:
@@ -213,7 +219,7 @@ class Proxy:
                                   self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
                 try:
                     await self.admission.wait(attempt.ticket)
-                    response = await self._try(attempt, path, body, headers)
+                    response = await self._try(attempt, path, body, headers, writer)
                 except Failure as exc:
                     failure = exc
                 except BaseException:  # a cancellation (client gone) or a bug: release the load, re-raise
@@ -325,18 +331,29 @@ class Proxy:
             decision = dataclasses.replace(decision, replica=lease.replica, reason="reserve")
         return decision, lease
 
-    async def _try(self, attempt: Attempt, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> Response:
+    async def _try(self, attempt: Attempt, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
+                   writer: ChunkWriter | None = None) -> Response:
         """One attempt up to its first body byte (raises ``Failure``), then the relay."""
         replica = attempt.decision.replica
         stream = attempt.ctx.stream
         cfg = self.cfg
+        # (a Responses answer is recorded before it is sent: api_routes.ResponsesApi.record)
+        sink = self._answer_sink(attempt, writer) if writer is not None and not stream \
+            and attempt.ctx.endpoint != "responses" else None
         try:
             async with asyncio.timeout(cfg.head_timeout_s if stream else cfg.total_timeout_s):
-                response = attempt.response = await self.upstream.send(replica, path, body, headers)
+                response = attempt.response = await self.upstream.send(replica, path, body, headers, sink)
         except (TimeoutError, UpstreamTimedOut) as exc:
             raise self._timeout("head_timeout" if stream else "total_timeout", replica) from exc
         except UpstreamFailure as exc:
             raise self._broken(exc, replica) from exc
+        if isinstance(response, H1Response):
+            if response.answered is not None:  # written to the client already, by the sink
+                self._first_byte(attempt)
+                attempt.last_byte_s = time.perf_counter()
+                sent, out = response.answered, attempt.answered_headers
+                return SentResponse(sent, response.status_code, out, lambda: self._sent(attempt, sent, out))
+            response.keep()  # from here the answer is this task's
         status = response.status_code
         if status >= 500 or status == 429:
             kind = f"status_{status}" if status in (429, 503) else "status_5xx"
@@ -378,11 +395,29 @@ class Proxy:
             return Failure("connect", UpstreamError(f"cannot connect to replica {replica}"))
         return Failure("disconnect", UpstreamError(f"replica {replica} failed before answering ({exc})"))
 
+    def _answer_sink(self, attempt: Attempt, writer: ChunkWriter) -> AnswerSink:
+        """Writes a whole answer to the client from the upstream connection's callback
+        (``ChunkWriter.answer``) when the task would send it as it is: not an answer that
+        fails the attempt (5xx, 429: retried or judged by the task), not a stream."""
+        def answer(status: int, raw: list[tuple[bytes, bytes]], data: bytes) -> bool:
+            if status >= 500 or status == 429 or any(
+                    k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in raw):
+                return False
+            out = [*self._client_headers(attempt.decision, raw), (b"content-length", b"%d" % len(data))]
+            if not writer.answer(status, out, data):
+                return False
+            attempt.answered_headers = out
+            return True
+        return answer
+
     def _response_headers(self, attempt: Attempt) -> list[tuple[bytes, bytes]]:
         """The replica's headers, cleaned, plus the routing headers (raw)."""
         assert attempt.response is not None
-        decision = attempt.decision
-        return [*downstream_headers(attempt.response.headers.raw),
+        return self._client_headers(attempt.decision, attempt.response.headers.raw)
+
+    @staticmethod
+    def _client_headers(decision: Decision, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        return [*downstream_headers(raw),
                 (b"x-kvgate-replica", decision.replica.encode("latin-1")),
                 (b"x-kvgate-route-reason", decision.reason.encode("latin-1")),
                 (b"x-kvgate-expected-cached-tokens", str(decision.predicted_cached_tokens).encode("latin-1"))]

@@ -33,6 +33,8 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
@@ -54,14 +56,49 @@ class WritingListener(Protocol):
 class ChunkWriter:
     """Writes body chunks of one response straight into the client's transport."""
 
-    __slots__ = ("boundary", "cycle", "listen", "lost")
+    __slots__ = ("boundary", "cycle", "draining", "listen", "lost")
 
-    def __init__(self, cycle: RequestResponseCycle, listen: Callable[[WritingListener | None], None]) -> None:
-        """``listen``: registers the listener of the connection's pause/resume writing."""
+    def __init__(self, cycle: RequestResponseCycle, listen: Callable[[WritingListener | None], None],
+                 draining: Callable[[], bool] = lambda: False) -> None:
+        """``listen``: registers the listener of the connection's pause/resume writing;
+        ``draining``: the gateway is shutting down (an answer then closes its connection)."""
         self.cycle = cycle
         self.listen = listen
+        self.draining = draining
         self.boundary = True  # the pushed bytes so far end between two SSE events
         self.lost: Callable[[], None] | None = None  # told when the client's connection is lost
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """A whole answer, head and body in one write, the response then completed as
+        uvicorn's ``send`` completes it (keep-alive or close, the next pipelined request);
+        from the upstream connection's callback, without waking the request's task.
+        ``headers`` must carry the ``content-length``. False, with nothing written, unless
+        no head is sent yet and the client is there; raises on a header uvicorn would refuse
+        (before writing anything)."""
+        c = self.cycle
+        if c.response_started or c.disconnected or c.transport.is_closing():
+            return False
+        keep_alive = c.keep_alive and not self.draining()
+        content = [STATUS_LINE[status]]
+        for name, value in (*c.default_headers, *headers):
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                raise RuntimeError("invalid HTTP header")
+            content += (name.lower(), b": ", value, b"\r\n")
+        if not keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        c.response_started = True
+        c.waiting_for_100_continue = False
+        c.chunked_encoding = False
+        c.expected_content_length = 0
+        c.transport.writelines((b"".join(content), body))
+        c.response_complete = True
+        c.message_event.set()
+        if not keep_alive:
+            c.keep_alive = False
+            c.transport.close()
+        c.on_response()
+        return True
 
     def watch(self, lost: Callable[[], None] | None) -> bool:
         """``lost`` is called (once) when the client's connection is lost; None stops
@@ -72,16 +109,17 @@ class ChunkWriter:
         return True
 
     def client_lost(self) -> None:
-        """The connection is lost (``EdgeProtocol.connection_lost``): the response is
-        disconnected (uvicorn marks only the request it parsed last; an earlier one of a
-        pipelined connection would write to the closed transport), and the watcher told."""
+        """The connection is lost (``EdgeProtocol.connection_lost``): a response not complete
+        is disconnected (uvicorn marks only the request it parsed last; an earlier one of a
+        pipelined connection would write to the closed transport) and its watcher told. A
+        client that closes after its whole answer (``answer``) has not left early."""
         cycle = self.cycle
-        if not cycle.response_complete:
-            cycle.disconnected = True
         cycle.message_event.set()
         lost, self.lost = self.lost, None
-        if lost is not None:
-            lost()
+        if not cycle.response_complete:
+            cycle.disconnected = True
+            if lost is not None:
+                lost()
 
     def ready(self) -> bool:
         """The head is sent, the body chunked, the response not complete, the client there."""

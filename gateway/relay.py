@@ -336,6 +336,24 @@ class AnsweredResponse(ClosingResponse):
         await self._on_close()
 
 
+class SentResponse(ClosingResponse):
+    """A replica's whole answer that its upstream connection already wrote to the client
+    (``gateway.push_relay.ChunkWriter.answer``, from the connection's callback: no wake-up
+    of the request's task, no ASGI layers on the way); "sending" it runs its bookkeeping."""
+
+    def __init__(self, body: bytes, status_code: int, headers: list[tuple[bytes, bytes]],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        """``headers``: as written, ``content-length`` included."""
+        self.body = body
+        self.status_code = status_code
+        self.background = None
+        self.raw_headers = headers
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await asyncio.shield(self._on_close())
+
+
 TAIL_PARSE_MIN_BYTES = 4096  # smaller bodies are parsed whole
 
 

@@ -31,7 +31,7 @@ Retry bookkeeping (``RetryBudget``, ``PoisonBodies``) is ``gateway.retry``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import aiohttp
@@ -89,10 +89,17 @@ async def next_chunk(chunks: AsyncIterator[bytes], limit_s: float) -> bytes | No
         return await anext(chunks, None)
 
 
+AnswerSink = Callable[[int, list[tuple[bytes, bytes]], bytes], bool]
+"""Takes a whole answer (status, raw headers, body) when it ends complete, from the
+client's own callback, and says whether it sent it on (``gateway.push_relay.ChunkWriter.answer``)."""
+
+
 class Upstream(Protocol):
-    async def send(self, replica: str, path: str, body: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> ResponseLike:
-        """POST ``body`` to ``replica + path``; returns once the final response head arrived."""
+    async def send(self, replica: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
+                   answer: AnswerSink | None = None) -> ResponseLike:
+        """POST ``body`` to ``replica + path``; returns once the final response head arrived.
+        ``answer``: offered the whole answer as soon as it has ended complete, before this
+        returns when it comes with its head (a client that cannot do so ignores it)."""
         ...
 
     async def close(self) -> None: ...
@@ -171,8 +178,8 @@ class AiohttpUpstream:
             url = self._urls[key] = URL(replica + path)
         return url
 
-    async def send(self, replica: str, path: str, body: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> ResponseLike:
+    async def send(self, replica: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
+                   answer: AnswerSink | None = None) -> ResponseLike:
         session = self._session
         if session is None:
             session = self._session = self._make_session()
@@ -220,8 +227,8 @@ class HttpxUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    async def send(self, replica: str, path: str, body: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> ResponseLike:
+    async def send(self, replica: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
+                   answer: AnswerSink | None = None) -> ResponseLike:
         try:
             request = httpx.Request("POST", replica + path, content=body, headers=headers)
             return _HttpxResponse(await self.client.send(request, stream=True))

@@ -884,6 +884,16 @@ async def test_close_while_a_send_waits_makes_it_connect_failed() -> None:
             hold.set()
 
 
+async def answer_in_two_parts(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                              release: asyncio.Event) -> None:
+    """A chunked JSON answer "partial": its head and "par" now, the rest once ``release`` is set."""
+    writer.write(SSE_HEAD.replace(b"text/event-stream", b"application/json") + chunk_frame(b"par"))
+    await release.wait()
+    writer.write(chunk_frame(b"tial") + b"0\r\n\r\n")
+    await writer.drain()
+    await until_eof(reader)
+
+
 async def test_arrived_takes_a_whole_answer_at_once_and_nothing_before_its_end() -> None:
     """``arrived``: the body of an answer that has ended complete (the proxy then sends it
     without waiting, so without a timer); None while a body is still coming."""
@@ -893,11 +903,7 @@ async def test_arrived_takes_a_whole_answer_at_once_and_nothing_before_its_end()
         await read_request(reader)
         writer.write(answer(b"whole"))  # the head and the body at once
         await read_request(reader)
-        writer.write(SSE_HEAD.replace(b"text/event-stream", b"application/json") + chunk_frame(b"par"))
-        await release.wait()
-        writer.write(chunk_frame(b"tial") + b"0\r\n\r\n")
-        await writer.drain()
-        await until_eof(reader)
+        await answer_in_two_parts(reader, writer, release)
 
     async with fake_replica(serve) as replica, h1() as pool:
         whole = await send(pool, replica.url, b"{}")
@@ -909,3 +915,68 @@ async def test_arrived_takes_a_whole_answer_at_once_and_nothing_before_its_end()
         assert partial.arrived() is None  # still coming
         release.set()
         assert await read_body(partial) == b"partial"
+
+
+async def test_a_whole_answer_is_offered_to_the_answer_sink_from_the_connections_callback() -> None:
+    """The sink gets (status, raw headers, body) as soon as the answer ends complete, before
+    ``send`` returns when the body came with the head; what it takes is ``answered``. An
+    answer it declines stays for the caller; ``keep`` takes the offer back; a broken
+    answer is never offered; a sink that raises leaves the answer to the caller."""
+    release = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        for body in (b"taken", b"declined", b"raised"):
+            await read_request(reader)
+            writer.write(answer(body))
+        await read_request(reader)
+        await answer_in_two_parts(reader, writer, release)
+
+    offered: list[tuple[int, bytes]] = []
+
+    def sink(take: bool | None) -> Callable[[int, list[tuple[bytes, bytes]], bytes], bool]:
+        def offer(status: int, raw: list[tuple[bytes, bytes]], body: bytes) -> bool:
+            offered.append((status, body))
+            assert (b"content-length", b"%d" % len(body)) in raw
+            if take is None:
+                raise RuntimeError("a bug in the sink")
+            return take
+        return offer
+
+    async with fake_replica(serve) as replica, h1() as pool:
+        taken = await asyncio.wait_for(pool.send(replica.url, "/v1/x", b"{}", [], sink(True)), WAIT_S)
+        assert isinstance(taken, H1Response)
+        assert offered == [(200, b"taken")] and taken.answered == b"taken"  # before send returned
+        assert taken.arrived() is None and await read_body(taken) == b""  # nothing left for the caller
+        declined = await asyncio.wait_for(pool.send(replica.url, "/v1/x", b"{}", [], sink(False)), WAIT_S)
+        assert isinstance(declined, H1Response) and declined.answered is None
+        assert declined.arrived() == b"declined"
+        raised = await asyncio.wait_for(pool.send(replica.url, "/v1/x", b"{}", [], sink(None)), WAIT_S)
+        assert isinstance(raised, H1Response) and raised.answered is None
+        assert await read_body(raised) == b"raised"
+        kept = await asyncio.wait_for(pool.send(replica.url, "/v1/x", b"{}", [], sink(True)), WAIT_S)
+        assert isinstance(kept, H1Response)
+        kept.keep()  # the caller takes it before its end
+        release.set()
+        assert await read_body(kept) == b"partial" and kept.answered is None
+        assert [body for _, body in offered] == [b"taken", b"declined", b"raised"]
+
+
+async def test_a_broken_answer_is_not_offered_to_the_answer_sink() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf")
+        await writer.drain()
+        writer.close()
+
+    offered: list[bytes] = []
+
+    def offer(status: int, raw: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        offered.append(body)
+        return True
+
+    async with fake_replica(serve) as replica, h1() as pool:
+        response = await asyncio.wait_for(pool.send(replica.url, "/v1/x", b"{}", [], offer), WAIT_S)
+        assert isinstance(response, H1Response)
+        with pytest.raises(Disconnected):
+            await read_body(response)
+        assert offered == [] and response.answered is None

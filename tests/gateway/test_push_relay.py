@@ -180,3 +180,96 @@ def test_one_write_passes_through_what_is_not_a_head_or_a_closing_transport() ->
     with writer.one_write():
         cycle.transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
     assert transport.calls == [("write", b"not a head"), ("write", b"HTTP/1.1 200 OK\r\n\r\n")]
+
+
+# ---------------------------------------------------------------------------------------- ChunkWriter.answer
+
+class _Transport:
+    """What uvicorn's cycle writes, and whether it closed the connection."""
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def writelines(self, parts: Any) -> None:
+        self.data += b"".join(parts)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def _cycle(keep_alive: bool = True) -> tuple[Any, _Transport, list[str]]:
+    """A real uvicorn cycle over a recording transport; the list records ``on_response``."""
+    import logging
+
+    from uvicorn.protocols.http.flow_control import FlowControl
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    transport = _Transport()
+    completed: list[str] = []
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "http_version": "1.1"}
+    cycle = RequestResponseCycle(
+        scope, transport, FlowControl(transport), logging.getLogger("t"), logging.getLogger("t"),  # type: ignore[arg-type]
+        False, [(b"server", b"uvicorn"), (b"date", b"Fri, 04 Dec 2026 17:00:00 GMT")], asyncio.Event(),
+        False, keep_alive, lambda: completed.append("done"))
+    return cycle, transport, completed
+
+
+HEADERS = [(b"Content-Type", b"application/json"), (b"x-kvgate-replica", b"http://127.0.0.1:1"),
+           (b"content-length", b"11")]
+
+
+@pytest.mark.parametrize("keep_alive,draining", [(True, False), (False, False), (True, True)])
+async def test_answer_writes_what_uvicorns_send_writes_and_completes_the_cycle(keep_alive: bool,
+                                                                               draining: bool) -> None:
+    """The bytes on the wire and the cycle's state after ``ChunkWriter.answer`` are those of
+    uvicorn's own two sends (as ``AnsweredResponse`` makes them, with ``connection: close``
+    added while draining as ``EdgeApp`` adds it); one write; ``on_response`` once."""
+    ours, ours_transport, ours_done = _cycle(keep_alive)
+    theirs, theirs_transport, theirs_done = _cycle(keep_alive)
+    writer = ChunkWriter(ours, lambda listener: None, lambda: draining)
+    assert writer.answer(200, HEADERS, b'{"ok": true}'[:11])
+    headers = HEADERS + ([(b"connection", b"close")] if draining else [])
+    await theirs.send({"type": "http.response.start", "status": 200, "headers": headers})
+    await theirs.send({"type": "http.response.body", "body": b'{"ok": true}'[:11]})
+    assert ours_transport.data == theirs_transport.data
+    assert ours_transport.closed == theirs_transport.closed == (not keep_alive or draining)
+    for field in ("response_started", "response_complete", "chunked_encoding", "expected_content_length",
+                  "keep_alive", "waiting_for_100_continue"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.message_event.is_set() and ours_done == theirs_done == ["done"]
+
+
+async def test_answer_writes_nothing_once_a_head_is_sent_or_the_client_is_gone() -> None:
+    started, started_transport, _ = _cycle()
+    await started.send({"type": "http.response.start", "status": 200, "headers": []})
+    before = started_transport.data
+    assert not ChunkWriter(started, lambda listener: None).answer(200, HEADERS, b"x" * 11)
+    assert started_transport.data == before
+    gone, gone_transport, done = _cycle()
+    gone.disconnected = True
+    assert not ChunkWriter(gone, lambda listener: None).answer(200, HEADERS, b"x" * 11)
+    assert gone_transport.data == b"" and done == [] and not gone.response_started
+
+
+async def test_answer_refuses_a_header_uvicorn_would_refuse_before_writing() -> None:
+    cycle, transport, _ = _cycle()
+    with pytest.raises(RuntimeError):
+        ChunkWriter(cycle, lambda listener: None).answer(200, [(b"x-bad", b"a\r\nb")], b"")
+    assert transport.data == b"" and not cycle.response_started
+
+
+async def test_a_client_that_closes_after_its_whole_answer_has_not_left_early() -> None:
+    cycle, _, _ = _cycle()
+    writer = ChunkWriter(cycle, lambda listener: None)
+    told: list[str] = []
+    assert writer.watch(lambda: told.append("left"))
+    assert writer.answer(200, HEADERS, b"x" * 11)
+    writer.client_lost()  # e.g. the client read its answer and closed
+    assert told == [] and not cycle.disconnected

@@ -198,3 +198,35 @@ def test_config_errors_are_one_line_and_exit_2(tmp_path: Path, name: str, text: 
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(expected.format(p=path))
     assert "Traceback" not in done.stderr
+
+
+def _responses(data: bytes) -> list[tuple[bytes, bytes]]:
+    """(head, body) of each content-length framed response in ``data``, in order."""
+    out = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                      if line.split(b":", 1)[0].strip().lower() == b"content-length")
+        out.append((head, rest[:length]))
+        data = rest[length:]
+    return out
+
+
+def test_whole_answers_keep_http_framing_pipelined_and_with_connection_close(gw: Gateway) -> None:
+    """Small answers are written by the upstream connection's callback (``ChunkWriter.answer``):
+    three requests pipelined on one connection get their three answers in order, each
+    framed by its content-length, the last (``Connection: close``) closing the connection."""
+    def request(tokens: int, close: bool = False) -> bytes:
+        body = json.dumps({"model": "m", "max_tokens": tokens,
+                           "messages": [{"role": "user", "content": f"pipelined {tokens}"}]}).encode()
+        extra = b"connection: close\r\n" if close else b""
+        return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                b"%scontent-length: %d\r\n\r\n%s" % (extra, len(body), body))
+
+    with _connect(gw.url) as sock:
+        sock.sendall(request(1) + request(2) + request(3, close=True))
+        answers = _responses(_read_all(sock))  # ends: the server closed after the third
+    assert [head.split(b"\r\n")[0] for head, _ in answers] == [b"HTTP/1.1 200 OK"] * 3
+    assert [json.loads(body)["usage"]["completion_tokens"] for _, body in answers] == [1, 2, 3]
+    assert all(b"\r\nx-kvgate-replica: " in head for head, _ in answers)
+    assert [b"\r\nconnection: close" in head for head, _ in answers] == [False, False, True]
