@@ -13,7 +13,10 @@ request, as the ASGI scope extension ``PUSH_EXTENSION``. It writes only while th
 sent, chunked, the response is not complete and the client is there. Everything else
 stays on the ASGI path: the head, the last chunk (``0\\r\\n\\r\\n``, uvicorn's keep-alive
 bookkeeping) and the shutdown cut's event. ``boundary`` tells the cut whether the pushed
-bytes ended between two events.
+bytes ended between two events. Two more duties: a whole non-streamed answer can be
+written in one go from the upstream connection's callback (``ChunkWriter.answer``, which
+completes uvicorn's cycle as its ``send`` would), and the connection tells the request's
+``ClientWatch`` when the client is lost (``watch``, ``client_lost``).
 
 What the run keeps, as the pull relay does:
 
