@@ -136,9 +136,9 @@ class H1Response:
         self._conn = None
         answer, self._answer = self._answer, None
         if answer is not None and error is None and self._sink is None:
-            data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+            data = self._joined()
             try:
-                taken = answer(self.status_code, self.headers.raw, data)
+                taken = answer(self.status_code, self.headers, data)
             except Exception:  # a bug in the sink must not break the connection's callback: the task sends it
                 log.exception("the answer sink failed; the request's task sends the answer")
                 taken = False
@@ -151,6 +151,17 @@ class H1Response:
             self._sink = None
             sink.end(error)
         self._wake()
+
+    def _joined(self) -> bytes:
+        """The body buffered so far, kept as one chunk (joined once; none when empty)."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        if len(chunks) > 1:
+            data = b"".join(chunks)
+            chunks.clear()
+            chunks.append(data)
+        return chunks[0]
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -173,7 +184,7 @@ class H1Response:
         wait, so no timer), else None (still coming, broken, being pushed, or ``answered``)."""
         if not self._ended or self._error is not None or self._sink is not None or self.answered is not None:
             return None
-        data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+        data = self._joined()
         self._chunks.clear()
         self._buffered = 0
         return data

@@ -88,6 +88,7 @@ from gateway.stall_watch import StallWatch
 from gateway.upstream import (
     AnswerSink,
     ConnectFailed,
+    HeadersLike,
     ResponseLike,
     Upstream,
     UpstreamFailure,
@@ -355,10 +356,10 @@ class Proxy:
                 return SentResponse(sent, response.status_code, out, lambda: self._sent(attempt, sent, out))
             response.keep()  # from here the answer is this task's
         status = response.status_code
-        if status >= 500 or status == 429:
+        if _fails(status):
             kind = f"status_{status}" if status in (429, 503) else "status_5xx"
             raise Failure(kind, UpstreamError(f"replica {replica} answered {status}"), response)
-        sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        sse = _is_sse(response.headers)
         whole = response.arrived() if isinstance(response, H1Response) and not sse else None
         if whole is not None:  # the whole answer came with its head (a small one): nothing to wait for
             self._first_byte(attempt)
@@ -399,11 +400,10 @@ class Proxy:
         """Writes a whole answer to the client from the upstream connection's callback
         (``ChunkWriter.answer``) when the task would send it as it is: not an answer that
         fails the attempt (5xx, 429: retried or judged by the task), not a stream."""
-        def answer(status: int, raw: list[tuple[bytes, bytes]], data: bytes) -> bool:
-            if status >= 500 or status == 429 or any(
-                    k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in raw):
+        def answer(status: int, headers: HeadersLike, data: bytes) -> bool:
+            if _fails(status) or _is_sse(headers):
                 return False
-            out = [*self._client_headers(attempt.decision, raw), (b"content-length", b"%d" % len(data))]
+            out = [*self._client_headers(attempt.decision, headers.raw), (b"content-length", b"%d" % len(data))]
             if not writer.answer(status, out, data):
                 return False
             attempt.answered_headers = out
@@ -582,6 +582,15 @@ def _stream_broke(attempt: Attempt, exc: BaseException, stalled: bool, stall_s: 
     what = f"stalled for {stall_s:g} s" if stalled else f"failed mid-stream ({exc})"
     attempt.stream_error = f"replica {attempt.decision.replica} {what}"
     return (b"" if boundary else b"\n\n") + sse_error(attempt.stream_error, api=attempt.ctx.endpoint)
+
+
+def _fails(status: int) -> bool:
+    """An answer that fails its attempt (a 5xx, 429): retried or judged, never sent as it is."""
+    return status >= 500 or status == 429
+
+
+def _is_sse(headers: HeadersLike) -> bool:
+    return headers.get("content-type", "").startswith("text/event-stream")
 
 
 def _stalled(exc: BaseException) -> bool:

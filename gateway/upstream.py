@@ -89,8 +89,8 @@ async def next_chunk(chunks: AsyncIterator[bytes], limit_s: float) -> bytes | No
         return await anext(chunks, None)
 
 
-AnswerSink = Callable[[int, list[tuple[bytes, bytes]], bytes], bool]
-"""Takes a whole answer (status, raw headers, body) when it ends complete, from the
+AnswerSink = Callable[[int, "HeadersLike", bytes], bool]
+"""Takes a whole answer (status, headers, body) when it ends complete, from the
 client's own callback, and says whether it sent it on (``gateway.push_relay.ChunkWriter.answer``)."""
 
 

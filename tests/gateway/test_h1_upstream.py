@@ -21,7 +21,7 @@ from gateway.h1_upstream import (
     _Connection,
     _Replica,
 )
-from gateway.upstream import ConnectFailed, Disconnected
+from gateway.upstream import ConnectFailed, Disconnected, HeadersLike
 from gateway.upstream_config import UpstreamConfig
 
 WAIT_S = 5.0  # the bound of every wait that should end at once or soon
@@ -933,10 +933,10 @@ async def test_a_whole_answer_is_offered_to_the_answer_sink_from_the_connections
 
     offered: list[tuple[int, bytes]] = []
 
-    def sink(take: bool | None) -> Callable[[int, list[tuple[bytes, bytes]], bytes], bool]:
-        def offer(status: int, raw: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    def sink(take: bool | None) -> Callable[[int, HeadersLike, bytes], bool]:
+        def offer(status: int, headers: HeadersLike, body: bytes) -> bool:
             offered.append((status, body))
-            assert (b"content-length", b"%d" % len(body)) in raw
+            assert (b"content-length", b"%d" % len(body)) in headers.raw
             if take is None:
                 raise RuntimeError("a bug in the sink")
             return take
@@ -970,7 +970,7 @@ async def test_a_broken_answer_is_not_offered_to_the_answer_sink() -> None:
 
     offered: list[bytes] = []
 
-    def offer(status: int, raw: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    def offer(status: int, headers: HeadersLike, body: bytes) -> bool:
         offered.append(body)
         return True
 
