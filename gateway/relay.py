@@ -58,14 +58,30 @@ class HeaderPolicy:
                    None if key is None else b"Bearer " + key.get_secret_value().encode("latin-1"))
 
 
-def _connection_named(raw: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+Lowered = list[tuple[bytes, bytes, bytes]]  # (lowercased name, name, value): each name lowered once
+
+
+def _lowered(raw: list[tuple[bytes, bytes]]) -> Lowered:
+    return [(k.lower(), k, v) for k, v in raw]
+
+
+def _connection_named(lowered: Lowered) -> frozenset[bytes]:
     """Header names listed in ``Connection:`` (hop-by-hop by declaration, RFC 9110 7.6.1)."""
-    named = [t.strip().lower() for k, v in raw if k.lower() == b"connection" for t in v.split(b",")]
-    return frozenset(n for n in named if n)
+    named: set[bytes] | None = None
+    for name, _, v in lowered:
+        if name == b"connection":
+            if named is None:
+                named = set()
+            named.update(t.strip().lower() for t in v.split(b","))
+    if named is None:
+        return _NONE
+    named.discard(b"")
+    return frozenset(named)
 
 
-def _drop(name: bytes, named: frozenset[bytes]) -> bool:
-    return name in HOP_BY_HOP or name in named or name.startswith((b"proxy-", _OWN_PREFIX))
+_NONE: frozenset[bytes] = frozenset()
+_DROPPED_PREFIXES = (b"proxy-", _OWN_PREFIX)
+_HOP_AND_CREDENTIALS = HOP_BY_HOP | CREDENTIALS
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]], policy: HeaderPolicy = HeaderPolicy(),
@@ -78,23 +94,28 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], policy: HeaderPolicy = Head
     client's credentials (``Authorization``, Anthropic's ``x-api-key``) unless
     ``policy.forward_authorization`` (a configured replica key replaces them). ``client`` is appended to ``X-Forwarded-For``;
     ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` are set when the client sent none."""
-    named = _connection_named(raw)
+    lowered = _lowered(raw)
+    named = _connection_named(lowered)
     keep_auth = policy.forward_authorization and policy.replica_authorization is None
+    dropped = HOP_BY_HOP if keep_auth else _HOP_AND_CREDENTIALS
+    if named:
+        dropped = dropped | named
     out: list[tuple[bytes, bytes]] = []
     forwarded_for: list[bytes] = []
     host = b""
     proto = fhost = False
-    for k, v in raw:
-        name = k.lower()
+    for name, k, v in lowered:
         if name == b"host":
             host = v
-        if _drop(name, named) or (name in CREDENTIALS and not keep_auth):
+        if name in dropped or name.startswith(_DROPPED_PREFIXES):
             continue
         if name == b"x-forwarded-for":
             forwarded_for.append(v)
             continue
-        proto = proto or name == b"x-forwarded-proto"
-        fhost = fhost or name == b"x-forwarded-host"
+        if name == b"x-forwarded-proto":
+            proto = True
+        elif name == b"x-forwarded-host":
+            fhost = True
         out.append((k, v))
     if client:
         forwarded_for.append(client.encode("latin-1"))
@@ -113,8 +134,10 @@ def downstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byte
     """The replica's response headers as relayed: hop-by-hop ones (also those its
     ``Connection:`` names), ``date``/``server`` (the gateway's server sets them) and any
     ``x-kvgate-*`` dropped."""
-    named = _connection_named(raw)
-    return [(k, v) for k, v in raw if not _drop(k.lower(), named) and k.lower() not in NOT_RELAYED]
+    lowered = _lowered(raw)
+    named = _connection_named(lowered)
+    dropped = NOT_RELAYED | named if named else NOT_RELAYED
+    return [(k, v) for name, k, v in lowered if name not in dropped and not name.startswith(_DROPPED_PREFIXES)]
 
 
 def route_headers(replica: str, reason: str) -> dict[str, str]:

@@ -13,7 +13,10 @@
 5. **Hooks** (`policies.hooks`) carry every side effect, after the decision.
 
 The framework times every plugin itself (cumulative seconds and call counts per plugin,
-`Pipeline.timings()`), so plugins carry no instrumentation code.
+`Pipeline.timings()`), so plugins carry no instrumentation code: one clock reading after
+each step, a plugin's time running from the previous step's reading (the framework's own
+few operations between two plugins count to the second); a plugin that raises ends the
+decision uncounted.
 
 *Arrays.* When every scorer also has ``score_array`` (`ArrayScorer`: its scores as one
 numpy array aligned with the candidates) and the picker has ``pick_index``
@@ -29,9 +32,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -51,7 +54,6 @@ from policies.hooks import Hook, StandardHooks
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
 
-T = TypeVar("T")
 ARRAY_MIN_CANDIDATES = 16  # the array path from this many candidates (the dict path is cheaper below)
 
 
@@ -142,12 +144,17 @@ class Timings:
     def snapshot(self) -> dict[str, PluginTiming]:
         return {k: PluginTiming(int(calls), seconds) for k, (calls, seconds) in self._totals.items()}
 
-    def timed(self, key: str, fn: Callable[..., T], *args: object) -> T:
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.add(key, time.perf_counter() - start)
+    def lap(self, key: str, start: float) -> float:
+        """Adds the time since ``start`` (a ``perf_counter`` reading) to ``key``; returns
+        the reading taken, the next step's start: one clock reading a step."""
+        now = time.perf_counter()
+        total = self._totals.get(key)
+        if total is None:
+            self._totals[key] = [1, now - start]
+        else:
+            total[0] += 1
+            total[1] += now - start
+        return now
 
 
 class Pipeline:
@@ -204,28 +211,26 @@ class Pipeline:
 
     def decide(self, ctx: RequestContext, inputs: RoutingInputs, rng: random.Random) -> Decision:
         candidates: list[ReplicaView] = list(inputs.replicas)
-        timed = self._timings.timed
+        lap = self._timings.lap
+        t = time.perf_counter()
         for f, key in zip(self.filters, self._filter_keys, strict=True):
-            candidates = timed(key, f.filter, ctx, inputs, candidates)
+            candidates = f.filter(ctx, inputs, candidates)
+            t = lap(key, t)
         if not candidates:
             raise NoRoutableReplica(f"no routable replica among {len(inputs.replicas)}")
         ids = [c.id for c in candidates]
         if self.array_min is not None and len(ids) >= self.array_min and len(set(ids)) == len(ids):
-            values = self._combined_array(ctx, inputs, candidates)
+            values, t = self._combined_array(ctx, inputs, candidates, t)
             picker: ArrayPicker = self.picker  # type: ignore[assignment]
-            chosen = ids[timed(self._picker_key, picker.pick_index, values, rng)]
+            chosen = ids[picker.pick_index(values, rng)]
+            t = lap(self._picker_key, t)
             scores = dict(zip(ids, values.tolist(), strict=True))
         else:
-            scores = self._combined_scores(ctx, inputs, candidates)
-            chosen = timed(self._picker_key, self.picker.pick, scores, rng)
-        why = timed(
-            self._explainer_key,
-            self.explainer.explain,
-            ctx,
-            inputs,
-            candidates,
-            chosen,
-        )
+            scores, t = self._combined_scores(ctx, inputs, candidates, t)
+            chosen = self.picker.pick(scores, rng)
+            t = lap(self._picker_key, t)
+        why = self.explainer.explain(ctx, inputs, candidates, chosen)
+        lap(self._explainer_key, t)
         return Decision(
             replica=chosen,
             reason=why.reason,
@@ -236,32 +241,38 @@ class Pipeline:
         )
 
     def _combined_scores(
-        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
-    ) -> dict[ReplicaId, float]:
+        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView], t: float
+    ) -> tuple[dict[ReplicaId, float], float]:
+        """The weighted mean of the scorers' scores; ``t``: the clock reading the first
+        scorer's time starts from (returned: the last one taken)."""
         total_weight = self._total_weight
+        lap = self._timings.lap
         combined = {c.id: 0.0 for c in candidates}
         for (scorer, weight), key in zip(self.scorers, self._scorer_keys, strict=True):
             if weight == 0:
                 continue
-            part = self._timings.timed(key, scorer.score, ctx, inputs, candidates)
+            part = scorer.score(ctx, inputs, candidates)
+            t = lap(key, t)
             for rid in combined:
                 combined[rid] += weight * min(max(part.get(rid, 0.0), 0.0), 1.0)
-        return {rid: s / total_weight for rid, s in combined.items()}
+        return {rid: s / total_weight for rid, s in combined.items()}, t
 
     def _combined_array(
-        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
-    ) -> npt.NDArray[np.float64]:
+        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView], t: float
+    ) -> tuple[npt.NDArray[np.float64], float]:
         """`_combined_scores` over arrays: the same operations per candidate, same order."""
         total_weight = self._total_weight
+        lap = self._timings.lap
         combined = np.zeros(len(candidates))
         for (scorer, weight), key in zip(self.scorers, self._scorer_keys, strict=True):
             if weight == 0:
                 continue
             array_scorer: ArrayScorer = scorer  # type: ignore[assignment]
-            part = self._timings.timed(key, array_scorer.score_array, ctx, inputs, candidates)
+            part = array_scorer.score_array(ctx, inputs, candidates)
+            t = lap(key, t)
             combined = combined + weight * np.minimum(np.maximum(part, 0.0), 1.0)
         out: npt.NDArray[np.float64] = combined / total_weight
-        return out
+        return out, t
 
     async def on_routed(
         self, ctx: RequestContext, decision: Decision, index: PrefixIndex, now_s: float
