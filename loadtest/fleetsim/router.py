@@ -63,7 +63,7 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
     coro.close()
-    raise RuntimeError("fleetsim: an index or hook call suspended; only non-blocking backends are supported")
+    raise RuntimeError("an index or hook call suspended; only non-blocking (in-process) backends run synchronously")
 
 
 def reported_load(s: EngineStats) -> ReportedLoad:

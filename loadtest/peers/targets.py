@@ -25,10 +25,11 @@ PYTHON_FLOOR_PROTOCOL = "python-floor-protocol"  # loadtest/peers/protocol_floor
 PYTHON_FLOOR_PROTOCOL_AIOHTTP = "python-floor-protocol-aiohttp"  # that server, aiohttp as the client
 PYTHON_FLOOR_PROTOCOL_PULL = "python-floor-protocol-pull"  # that client's chunks pulled by a task
 PYTHON_FLOOR_KVGATE = "python-floor-kvgate"  # loadtest/peers/stack_floor.py: kvgate's server and client, no routing
+PYTHON_FLOOR_PROTOCOL_ROUTED = "python-floor-protocol-routed"  # loadtest/peers/routed_floor.py: kvgate's routing on Protocols
 PROTOCOL_CLIENTS = {PYTHON_FLOOR_PROTOCOL: "protocol", PYTHON_FLOOR_PROTOCOL_AIOHTTP: "aiohttp",
                     PYTHON_FLOOR_PROTOCOL_PULL: "pull"}
 FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN, PYTHON_FLOOR_PROTOCOL, PYTHON_FLOOR_PROTOCOL_AIOHTTP,
-          PYTHON_FLOOR_PROTOCOL_PULL, PYTHON_FLOOR_KVGATE)
+          PYTHON_FLOOR_PROTOCOL_PULL, PYTHON_FLOOR_KVGATE, PYTHON_FLOOR_PROTOCOL_ROUTED)
 
 
 def parse_targets(text: str) -> list[str]:
@@ -83,6 +84,8 @@ def _python_floor(target: str, workers: Sequence[str], log_dir: Path) -> Iterato
         cmd = ["-m", "loadtest.peers.python_floor", "--port", str(port), *replicas]
     elif target == PYTHON_FLOOR_KVGATE:
         cmd = ["-m", "loadtest.peers.stack_floor", "--port", str(port), *replicas]
+    elif target == PYTHON_FLOOR_PROTOCOL_ROUTED:
+        cmd = ["-m", "loadtest.peers.routed_floor", "--port", str(port), *replicas]
     elif target in PROTOCOL_CLIENTS:
         cmd = ["-m", "loadtest.peers.protocol_floor", "--port", str(port), "--client", PROTOCOL_CLIENTS[target],
                *replicas]
@@ -122,6 +125,8 @@ def target_version(target: str) -> str:
         return "pass-through (asyncio Protocols, chunks pulled by a task)"
     if target == PYTHON_FLOOR_KVGATE:
         return "pass-through (kvgate's server and h1 client)"
+    if target == PYTHON_FLOOR_PROTOCOL_ROUTED:
+        return "kvgate's routing on asyncio Protocols (callbacks only)"
     if (checkout := kvgate_checkout(target)) is not None:
         return f"kvgate cache-aware from {checkout}"
     policy = kvgate_policy(target)
