@@ -109,9 +109,12 @@ def test_replica_killing_streams_is_ejected_and_its_sessions_move(tmp_path: Path
 
 def test_hung_replica_is_routed_around_and_no_request_is_lost(tmp_path: Path) -> None:
     """SIGSTOP one of 3 replicas under streaming load: streams that had not started fail
-    over within the head timeout, the replica leaves routing, later streams avoid it."""
-    flags = ("--set", "upstream.head_timeout_s=1", "--set", "upstream.stall_timeout_s=2",
-             "--set", "registry.probe_timeout_s=0.5")
+    over within the head (or first-byte) timeout, the replica leaves routing, later streams
+    avoid it."""
+    # first_byte_timeout_s: a replica stopped between a stream's head and its first event
+    # holds it for that long before it fails over (300 s by default, past the client's 20 s)
+    flags = ("--set", "upstream.head_timeout_s=1", "--set", "upstream.first_byte_timeout_s=2",
+             "--set", "upstream.stall_timeout_s=2", "--set", "registry.probe_timeout_s=0.5")
     with raw_fleet(3, tmp_path, "--events", "3") as fleet:
         victim = fleet.urls[0]
         gw = start_gateway(fleet.urls, tmp_path / "gateway.log", *flags)
