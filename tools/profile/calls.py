@@ -48,6 +48,7 @@ from loadtest.bench_gateway import (
     with_stream,
 )
 from loadtest.peers.overhead import SLOW_PROBES
+from loadtest.peers.run import PEERS
 from loadtest.peers.targets import open_target
 from loadtest.simulator.fleet import SimFleet
 
@@ -130,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json", type=Path, default=None, help="write the census here")
     args = parser.parse_args(argv)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if peers := [t for t in targets if t in PEERS]:  # (SIGUSR1 would end a process without the hook)
+        parser.error(f"not a Python gateway: {', '.join(peers)}; the census runs inside kvgate and the floors")
     console = Console()
     body = small_body() if args.kb == 0 else large_body(args.kb)
     body = with_stream(body, args.stream, 8 if args.stream else 1)
@@ -140,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir) as fleet:
         # only the targets started from here on load the hook (the replica above does not)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")]))
-        for target in [t.strip() for t in args.targets.split(",") if t.strip()]:
+        for target in targets:
             out = log_dir / f"{target.replace('/', '_')}.prof"
             os.environ["KVGATE_CALLS_OUT"] = str(out)
             with open_target(target, fleet.urls, log_dir, SLOW_PROBES) as (url, pid):
