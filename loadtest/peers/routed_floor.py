@@ -16,9 +16,16 @@ the settings ``kvgate serve`` would use (in-memory index, cache-aware policy):
 
 The index's and hooks' coroutines are kvgate's in-process ones: they finish without
 waiting, so they run to their end inside the callback (``loadtest.fleetsim.router.run_sync``,
-as the fleet simulator runs them; one that would wait, a remote index, is refused). Left
-out, with no callbacks design here: retries and failover, admission, the total timeout,
-the edge's deadlines and caps, the client watch, pipelining. So it is a floor: what kvgate's routing costs once its server and client are
+as the fleet simulator runs them; one that would wait, a remote index, is refused).
+
+The per-request machinery whose cost a product pays even when nothing goes wrong is here
+too, as timers and callbacks: the edge's header and body deadlines (408), the total timeout
+of a whole answer and the head then stall timeout of a stream (504, the replica's
+answer abandoned), admission's bookkeeping (``offer``, ``started``, ``done``,
+``observe``; a request admission would hold is answered 503: nothing here can wait), and
+the client watch (a client that leaves aborts its replica's connection and releases the
+lease). Left out, with no callbacks design here: retries and failover, the connection and
+concurrency caps, pipelining. So it is a floor: what kvgate's routing costs once its server and client are
 callbacks (``python-floor-protocol`` alone is the same without the routing). Not a
 product: it exists only to be measured.
 
@@ -30,6 +37,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+import orjson
 import uvloop
 
 from gateway.app import ENDPOINT_PATHS, Gateway, build_gateway
@@ -42,6 +50,7 @@ from loadtest.fleetsim.router import run_sync
 from loadtest.peers.protocol_floor import Front, Pool, Request
 from loadtest.peers.python_floor import Replicas, floor_parser
 from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext
+from replicas.admission import Ticket, TicketState
 from replicas.load import LoadLease
 
 ENDPOINTS = {path.encode(): endpoint for endpoint, path in ENDPOINT_PATHS.items()}
@@ -52,17 +61,32 @@ class Tap:
     read, and kvgate's bookkeeping when it ends (``done``)."""
 
     def __init__(self, front: RoutedFront, ctx: RequestContext, decision: Decision, lease: LoadLease,
-                 started_s: float) -> None:
+                 ticket: Ticket | None, started_s: float) -> None:
         self.front, self.ctx, self.decision, self.lease, self.started_s = front, ctx, decision, lease, started_s
+        self.ticket = ticket
         self.status = 0
         self.first_byte_s: float | None = None
         self.sniffer: UsageSniffer | None = None  # a chunked (streamed) answer's usage, read as it passes
         self.body: list[bytes] = []
+        self.ended = False
+        cfg = front.gateway.settings.upstream
+        self.stall_s = cfg.stall_timeout_s
+        self.last = front.loop.time()  # the last byte from the replica (the stall timer's reference)
+        # until the head: the stream's head timeout or the whole answer's total timeout (as Proxy._try)
+        self.timer: asyncio.TimerHandle | None = front.loop.call_at(
+            self.last + (cfg.head_timeout_s if ctx.stream else cfg.total_timeout_s), self._timed_out)
 
     def write(self, data: bytes) -> None:
+        if self.ended:
+            return
+        self.last = self.front.loop.time()
         if self.first_byte_s is None:  # the head (protocol_floor's UpstreamConnection writes it first, whole)
             self.first_byte_s = time.perf_counter()
             self.lease.first_byte()
+            self.front.gateway.admission.started(self.ticket)
+            if self.ctx.stream and self.timer is not None:  # from here a stream's silence is what is timed
+                self.timer.cancel()
+                self.timer = self.front.loop.call_at(self.last + self.stall_s, self._stalled)
             self.status = int(data[9:12])
             if b"transfer-encoding: chunked" in data:
                 self.sniffer = UsageSniffer()
@@ -75,11 +99,42 @@ class Tap:
             self.body.append(data)
         self.front.write(data)
 
-    def done(self, close: bool) -> None:
+    def _timed_out(self) -> None:
+        """No head in time (a stream's head timeout, a whole answer's total timeout): 504."""
+        self.timer = None
+        if self.first_byte_s is None:
+            self.front.write(b"HTTP/1.1 504 Gateway Timeout\r\ncontent-length: 0\r\n\r\n")
+            self.abort(504)
+        else:  # a whole answer past its total timeout, mid-body: nothing more can be said to the client
+            self.abort(504, close=True)
+
+    def _stalled(self) -> None:
+        now = self.front.loop.time()
+        if now < self.last + self.stall_s:
+            self.timer = self.front.loop.call_at(self.last + self.stall_s, self._stalled)
+            return
+        self.timer = None
+        self.abort(504, close=True)  # (kvgate ends it with an SSE error event; the cost is the same)
+
+    def abort(self, status: int, close: bool = False) -> None:
+        """The replica's answer is abandoned, the request ended as ``status``. (Its connection is
+        left to finish or fail on its own, its bytes ignored: the product aborts it.)"""
+        self.status = status
+        self.done(close, ok=False)
+
+    def done(self, close: bool, ok: bool = True) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         front = self.front
         gw = front.gateway
+        front.tap = None
         self.lease.release()
-        ok = self.status != 0 and not close
+        gw.admission.done(self.ticket)
+        ok = ok and self.status != 0 and not close
         if self.sniffer is not None:
             usage = self.sniffer.usage()
         else:
@@ -89,6 +144,9 @@ class Tap:
         ttft = None if self.first_byte_s is None else self.first_byte_s - self.started_s
         outcome = Outcome(ok=ok and self.status < 400, status=self.status or 502, prompt_tokens=usage[0],
                           cached_tokens=usage[1], completion_tokens=usage[2], ttft_s=ttft)
+        if outcome.ok:
+            gw.admission.observe(self.decision.replica, self.decision.predicted_cached_tokens,
+                                 outcome.cached_tokens, outcome.prompt_tokens)
         gw.metrics.usage(outcome.prompt_tokens, outcome.cached_tokens)
         gw.metrics.timing(ttft, None)
         run_sync(gw.router.completed(self.ctx, self.decision, outcome))
@@ -102,12 +160,47 @@ class RoutedFront(Front):
     def __init__(self, gateway: Gateway, pools: dict[str, Pool]) -> None:
         super().__init__(Replicas(list(pools.values())))
         self.gateway, self.pools = gateway, pools
+        self.loop = asyncio.get_running_loop()
+        self.deadline: asyncio.TimerHandle | None = None  # the edge's header or body deadline
+        self.tap: Tap | None = None  # the request under way
+
+    # ---------------------------------------------------------------- the edge's deadlines
+    def _arm(self, delay_s: float, what: str) -> None:
+        self._disarm()
+        self.deadline = self.loop.call_later(delay_s, self._expired, what)
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _expired(self, what: str) -> None:
+        self.deadline = None
+        body = orjson.dumps({"error": {"message": f"{what} not received in time", "type": "invalid_request_error"}})
+        self.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                   b"connection: close\r\n\r\n%s" % (len(body), body))
+        self.done(True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The client left: its request's answer is abandoned (the watch), the lease released."""
+        self._disarm()
+        if self.tap is not None:
+            self.tap.abort(499, close=True)
+
+    # ---------------------------------------------------------------- parser events
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm(self.gateway.settings.server.header_timeout_s, "request headers")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))  # all of them, as kvgate's server hands them on
 
+    def on_headers_complete(self) -> None:
+        self._arm(self.gateway.settings.server.body_timeout_s, "request body")
+
     def on_message_complete(self) -> None:
         assert self.transport is not None
+        self._disarm()
         self.transport.pause_reading()
         gw = self.gateway
         if self.url == b"/health":  # ready once a replica is routable (the bench waits for it)
@@ -137,8 +230,14 @@ class RoutedFront(Front):
         run_sync(router.routed(ctx, decision))
         peer = self.transport.get_extra_info("peername")
         out = upstream_headers(self.headers, gw.header_policy, peer[0] if peer else None)
+        ticket = gw.admission.offer(decision.replica, decision.predicted_uncached_tokens, ctx.stream)
+        tap = self.tap = Tap(self, ctx, decision, lease, ticket, started_s)
+        if ticket is not None and ticket.state is TicketState.HELD:  # admission would hold it: no waiting here
+            self.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+            tap.abort(503)
+            return
         request = Request(self.parser.get_method(), self.url, out, body)
-        self.pools[decision.replica].send(Tap(self, ctx, decision, lease, started_s), request)
+        self.pools[decision.replica].send(tap, request)
 
     def _error(self, error: GatewayError, endpoint: str) -> None:
         """kvgate's error answer in the API's shape (its body and status)."""

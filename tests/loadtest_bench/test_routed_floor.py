@@ -3,10 +3,12 @@ on asyncio Protocols (real processes: two simulated replicas, the floor in its o
 real HTTP). It must route as kvgate does, or its measurement means nothing."""
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 
 from loadtest.bench_gateway import PROFILE, small_body, with_stream
 from loadtest.peers.targets import open_target
@@ -30,3 +32,17 @@ def test_the_routed_floor_routes_with_kvgates_policy_and_answers_its_errors(tmp_
         bad = client.post("/v1/chat/completions", content=b'{"model": "m", "messages": "no"}',
                           headers={"content-type": "application/json"})
         assert bad.status_code == 400 and orjson.loads(bad.content)["error"]["type"] == "invalid_request_error"
+
+
+def test_the_routed_floor_keeps_the_edges_body_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its per-request timers are there (their cost is what the floor measures): a body that
+    stops arriving gets a 408 once ``server.body_timeout_s`` has passed."""
+    monkeypatch.setenv("KVGATE_SERVER__BODY_TIMEOUT_S", "0.5")
+    with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=tmp_path) as fleet, \
+            open_target("python-floor-protocol-routed", fleet.urls, tmp_path) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100\r\n\r\n{\"model\"")
+            answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"request body not received in time" in answer
