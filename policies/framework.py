@@ -148,12 +148,7 @@ class Timings:
         """Adds the time since ``start`` (a ``perf_counter`` reading) to ``key``; returns
         the reading taken, the next step's start: one clock reading a step."""
         now = time.perf_counter()
-        total = self._totals.get(key)
-        if total is None:
-            self._totals[key] = [1, now - start]
-        else:
-            total[0] += 1
-            total[1] += now - start
+        self.add(key, now - start)
         return now
 
 
