@@ -55,7 +55,7 @@ from gateway.h1_upstream import H1Upstream
 from gateway.kv_wiring import attach_precise
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_document
-from gateway.proxy import CLIENT_CLOSED, PINNED, Proxy
+from gateway.proxy import CLIENT_CLOSED, PINNED, Begun, Proxy
 from gateway.push_relay import ChunkWriter, edge_writer
 from gateway.relay import (
     ClosingResponse,
@@ -68,9 +68,11 @@ from gateway.relay import (
 from gateway.responses_store import make_responses_store
 from gateway.router import LOCAL_SESSIONS, FleetListener, Router
 from gateway.scaling import ScaleLoop, make_annotator
+from gateway.server import RESUME_EXTENSION
 from gateway.settings import Settings
 from gateway.upstream import AiohttpUpstream, HttpxUpstream, Upstream
 from gateway.upstream_config import UpstreamConfig
+from policies.base import RequestContext
 from policies.framework import Pipeline
 from policies.registry import make_policy
 from prefix_index.base import PrefixIndex
@@ -169,6 +171,11 @@ class Gateway:
     async def handle(self, request: Request, endpoint: str) -> Response:
         """One inference request: read, parse once, route and relay."""
         started_s = time.perf_counter()
+        begun: Begun | None = request.scope.get("extensions", {}).get(RESUME_EXTENSION)
+        if begun is not None:  # routed on the callbacks path (gateway.callback_path): on from there
+            writer = edge_writer(request.scope)
+            response = await self._until_client_leaves(request, writer, self.proxy.resume(begun, writer))
+            return self._finished(begun.attempt.ctx, response, begun.attempt.started_s)
         try:
             raw_headers: list[tuple[bytes, bytes]] = request.scope["headers"]
             headers = header_map(raw_headers)
@@ -200,11 +207,15 @@ class Gateway:
             except BaseException:  # it will not be sent: its lease and feedback all the same
                 await relayed.abandon()
                 raise
+        return self._finished(ctx, response, started_s)
+
+    def _finished(self, ctx: RequestContext, response: Response | None, started_s: float) -> Response:
+        """The client's response (499 when it left first), counted unless it counts itself."""
         if response is None:
             log.info("client left before the answer of request %s", ctx.request_id)
             response = Response(status_code=CLIENT_CLOSED)
         if not isinstance(response, ClosingResponse):  # a relayed answer counts itself once sent
-            self.request_done(endpoint, response.status_code, started_s)
+            self.request_done(ctx.endpoint, response.status_code, started_s)
         return response
 
     def _answered(self, endpoint: str, response: Response, started_s: float) -> Response:

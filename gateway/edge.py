@@ -11,6 +11,11 @@ with 503 only when none is idle, so ``/ready`` answers with thousands of idle so
 open. Parser rejections (ambiguous framing, bad syntax) get an OpenAI-shaped 400. Each
 request's scope carries the push relay's ``ChunkWriter`` (``gateway/push_relay.py``), and
 the connection tells that relay when the client's transport pauses and resumes writing.
+The header and body clocks are armed when a read's parsing ends, unless it got past them.
+An inference ``POST``'s ASGI task is held back until its body is complete (at most
+``DEFER_MAX_BYTES``, no ``Expect: 100-continue``) and the request offered to the callbacks
+path (``gateway/callback_path.py``), which routes it from ``on_message_complete`` or
+starts the task; a connection lost meanwhile starts it (it reads the disconnect).
 
 ``Edge`` is the state of one process's client edge that the protocol, the ASGI front and
 the server share (``gateway/server.py``). ``connection_limit`` clamps
@@ -19,28 +24,33 @@ the server share (``gateway/server.py``). ``connection_limit`` clamps
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import resource
 from asyncio import TimerHandle
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.errors import error_body
-from gateway.push_relay import PUSH_EXTENSION, ChunkWriter, WritingListener
+from gateway.push_relay import PUSH_EXTENSION, ChunkWriter, WritingListener, edge_writer
 from gateway.settings import ServerConfig
 
 if TYPE_CHECKING:
+    from uvicorn._types import ASGI3Application
     from uvicorn.config import Config
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
     from gateway.metrics import GatewayMetrics
     from gateway.settings import Settings
 
 log = logging.getLogger("kvgate.server")
 FD_MARGIN = 64  # files, Redis, listeners, logs beside client and upstream connections
+DEFER_MAX_BYTES = 64 * 1024  # uvicorn's HIGH_WATER_LIMIT: beyond it reading pauses until the task reads the body
 
 
 def connection_limit(settings: Settings) -> int:
@@ -76,6 +86,25 @@ def raw_response(status: int, body: bytes, *, retry_after: bool = False) -> byte
             b"connection: close\r\n\r\n%s" % (status, reason, len(body), extra, body))
 
 
+class Cuttable(Protocol):
+    def cut(self) -> None:
+        """The shutdown grace is over: end the request now."""
+
+
+class CallbackTaker(Protocol):
+    """What the edge asks of the callbacks path (``gateway.callback_path.CallbackPath``)."""
+
+    @property
+    def flights(self) -> Collection[Cuttable]:
+        """Requests on the path now (the shutdown waits for them, then cuts them)."""
+
+    def wants(self, method: str, path: str) -> bool:
+        """Hold the request's task back until its body is complete, then ``take``."""
+
+    def take(self, edge: Edge, cycle: RequestResponseCycle, writer: ChunkWriter, start_task: Callable[[], None]) -> bool:
+        """Route and send it now, or hand it to its task (``start_task``); False: nothing done."""
+
+
 class Edge:
     """The client edge of one gateway process: connection table, requests, shutdown phase."""
 
@@ -91,6 +120,11 @@ class Edge:
         self.draining = False  # SIGTERM: /ready 503, responses close their connection
         self.closing = False  # listeners closed: a request still arriving gets 503
         self.cutting = False  # grace over: requests in progress are being cut
+        self.callbacks: CallbackTaker | None = None  # the callbacks path (bound at start-up; None: off)
+
+    def in_flight(self) -> int:
+        """Requests in progress: ASGI tasks and requests on the callbacks path."""
+        return len(self.requests) + (len(self.callbacks.flights) if self.callbacks is not None else 0)
 
     def evict_idle(self) -> bool:
         """Close the longest-idle connection; False when none is idle."""
@@ -131,10 +165,14 @@ class EdgeProtocol(HttpToolsProtocol):
         self.edge = server_state.edge
         self.timeout_keep_alive = self.edge.config.keep_alive_timeout_s  # type: ignore[assignment]  # float
         self.deadline: TimerHandle | None = None
+        self.wanted: str | None = None  # a deadline to arm once the current read is parsed (``_want``)
         self.busy = False  # a request is in progress (first byte .. response complete)
         self.counted = False
         self.writing_listener: WritingListener | None = None  # a push relay's flow control
         self.writers: list[ChunkWriter] = []  # of the requests whose response is not complete
+        self.heading = False  # in on_headers_complete: a request's ASGI task may be held back
+        self.held: tuple[RequestResponseCycle, ASGI3Application] | None = None  # for the callbacks path
+        self.took = False  # the callbacks path took (or handed on) a request in this read
 
     # ----------------------------------------------------------------- connections
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -158,6 +196,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self.edge.idle.pop(self, None)
         self._uncount()
         super().connection_lost(exc)
+        self._start_held()  # a body that never ended: its task reads the disconnect (a 499), as before
         writers, self.writers = self.writers, []
         for writer in writers:  # every request of the connection (uvicorn marks only the last one parsed)
             writer.client_lost()
@@ -184,7 +223,21 @@ class EdgeProtocol(HttpToolsProtocol):
         self._disarm()
         self.deadline = self.loop.call_later(delay_s, self._expired, reason)
 
+    def _want(self, reason: str) -> None:
+        """The header or body clock starts: its timer is armed when this read's parsing
+        ends, unless the parsing got past it (no timer armed and cancelled for a request
+        that arrived in one read; the clock starts those microseconds later)."""
+        self._disarm()
+        self.wanted = reason
+
+    def _arm_wanted(self) -> None:
+        reason, self.wanted = self.wanted, None
+        if reason is not None and not self.transport.is_closing():
+            config = self.edge.config
+            self._arm(config.header_timeout_s if reason == "header_timeout" else config.body_timeout_s, reason)
+
     def _disarm(self) -> None:
+        self.wanted = None
         if self.deadline is not None:
             self.deadline.cancel()
             self.deadline = None
@@ -210,24 +263,32 @@ class EdgeProtocol(HttpToolsProtocol):
         if not self.busy:  # the first byte of a request (even a stray CRLF) starts the header clock
             self.busy = True
             self.edge.idle.pop(self, None)
-            self._arm(self.edge.config.header_timeout_s, "header_timeout")
+            self._want("header_timeout")
         super().data_received(data)
+        self._arm_wanted()
+        if self.took:  # reading on, as a task's first receive() does: a request pipelined behind the
+            self.took = False  # one taken paused it, and a paused transport never sees the client leave
+            self.flow.resume_reading()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self.deadline is None:  # a pipelined request behind the one just parsed
-            self._arm(self.edge.config.header_timeout_s, "header_timeout")
+        if self.deadline is None and self.wanted is None:  # a pipelined request behind the one just parsed
+            self._want("header_timeout")
 
     def on_headers_complete(self) -> None:
         self._disarm()
-        super().on_headers_complete()
+        self.heading = True
+        try:
+            super().on_headers_complete()
+        finally:
+            self.heading = False
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # (not an upgrade): the push relay's writer
             writer = ChunkWriter(cycle, self._listen, self._draining)
             self.writers.append(writer)
             self.scope.setdefault("extensions", {})[PUSH_EXTENSION] = writer  # type: ignore[assignment]
         if not self.transport.is_closing() and not self.pipeline:  # a queued request waits its turn
-            self._arm(self.edge.config.body_timeout_s, "body_timeout")
+            self._want("body_timeout")
 
     def _draining(self) -> bool:
         return self.edge.draining
@@ -245,9 +306,42 @@ class EdgeProtocol(HttpToolsProtocol):
         if self.writing_listener is not None:
             self.writing_listener(True)
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        """Held back, from the headers to the end of the body, for a request the callbacks
+        path may take (``gateway.callback_path``); else started as uvicorn starts it."""
+        callbacks = self.edge.callbacks
+        if (self.heading and callbacks is not None and not self.expect_100_continue
+                and callbacks.wants(cycle.scope["method"], cycle.scope["path"])):
+            self.held = (cycle, app)
+            return
+        super()._start_asgi_task(cycle, app)
+
+    def _start_held(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            super()._start_asgi_task(*held)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if self.held is not None and len(self.held[0].body) > DEFER_MAX_BYTES:
+            self._start_held()  # a large body: the task reads it (uvicorn pauses reading beyond this)
+
     def on_message_complete(self) -> None:
         self._disarm()
         super().on_message_complete()
+        held = self.held
+        if held is None:
+            return
+        cycle, app = held
+        self.held = None
+        callbacks = self.edge.callbacks
+        writer = edge_writer(cycle.scope)
+        start = functools.partial(HttpToolsProtocol._start_asgi_task, self, cycle, app)
+        if callbacks is None or writer is None or cycle.disconnected or not callbacks.take(self.edge, cycle, writer,
+                                                                                            start):
+            start()
+        else:
+            self.took = True
 
     def on_response_complete(self) -> None:
         self.writers = [w for w in self.writers if not w.cycle.response_complete]

@@ -236,6 +236,9 @@ class H1Response:
             self._conn.transport.resume_reading()
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         """A complete answer's connection is back in the pool already; an unfinished one is closed."""
         self._sink = None
         self._abort()
@@ -382,6 +385,9 @@ class _Connection(asyncio.Protocol):
             self.idle_timer = None
 
 
+Sending = tuple["_Connection", bytes]  # an idle connection taken for a request, and the request's head
+
+
 class H1Upstream:
     """The request path's client (see the module docstring). One per gateway process."""
 
@@ -457,14 +463,9 @@ class H1Upstream:
         while True:
             if self._closed:
                 raise ConnectFailed("the gateway's client is closed")
-            while replica.idle:
-                conn = replica.idle.pop()
-                self._idle -= 1
-                if not conn.closed:
-                    self._busy += 1
-                    replica.busy += 1
-                    return conn
-                self._counted.discard(conn)
+            conn = self.take_idle(replica)
+            if conn is not None:
+                return conn
             if self._room(replica):
                 return await self._connect(replica)
             waiter = asyncio.get_running_loop().create_future()
@@ -484,6 +485,33 @@ class H1Upstream:
                         pass
                 raise
             woken = True
+
+    def take_idle(self, replica: _Replica) -> _Connection | None:
+        """The replica's most recent idle connection, taken now (no wait), else None."""
+        while replica.idle:
+            conn = replica.idle.pop()
+            self._idle -= 1
+            if not conn.closed:
+                self._busy += 1
+                replica.busy += 1
+                return conn
+            self._counted.discard(conn)
+        return None
+
+    def sending_now(self, replica: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> Sending | None:
+        """``send`` without waiting (the callbacks path, ``gateway.callback_path``): an idle
+        connection to the replica, taken from the pool, and the request's head; None (nothing
+        taken) when sending would wait (no idle connection), when this client does not send
+        to the replica itself (https), or for a head that cannot be sent (``send`` refuses it)."""
+        target = self._replica(replica)
+        if target is None or self._closed or not target.idle:
+            return None
+        try:
+            wire = _wire(b"POST", target.base + path, target.host_header, len(body), headers)
+        except Disconnected:
+            return None
+        conn = self.take_idle(target)
+        return None if conn is None else (conn, wire)
 
     async def _connect(self, replica: _Replica) -> _Connection:
         if self._busy + self._idle >= self.config.max_connections:

@@ -33,6 +33,7 @@ KV_EVENT_OUTCOMES = ("gap", "healed", "lost", "restart", "cleared", "decode_erro
 DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 HIT_RATIO_WINDOW = 256  # requests in the "recent" cache hit ratio
 # causes of kvgate_upstream_retries_total (gateway/proxy.py's table); children made up front
+CALLBACK_OUTCOMES = ("answered", "handed_over", "client_left", "cut")  # kvgate_callback_path_requests_total
 RETRY_REASONS = ("connect", "disconnect", "head_timeout", "first_byte_timeout", "status_429", "status_503",
                  "status_5xx")
 
@@ -75,6 +76,11 @@ class GatewayMetrics:
         self.index_degraded = Counter("kvgate_index_degraded",
                                       "Index calls that failed or timed out (routing lost affinity)",
                                       registry=r)
+        self.callback_path = Counter(
+            "kvgate_callback_path_requests", "Requests taken on the callbacks path (gateway/callback_path.py), by "
+            "how they left it: answered there, handed to a task, client_left, cut at shutdown",
+            ["outcome"], registry=r)
+        self.callback_outcomes = {o: self.callback_path.labels(o) for o in CALLBACK_OUTCOMES}
         self.upstream_retries = Counter("kvgate_upstream_retries",
                                         "Attempts retried on another replica, by cause", ["reason"], registry=r)
         self.retry_budget_exhausted = Counter(

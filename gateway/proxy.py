@@ -58,14 +58,16 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.responses import Response
 
 from gateway.admission import Admission, AdmissionConfig
+from gateway.eager import run_now
 from gateway.errors import GatewayError, NoReplicaAvailable, UpstreamError, UpstreamTimeout
-from gateway.h1_upstream import H1Response
+from gateway.h1_upstream import H1Response, Sending
 from gateway.metrics import GatewayMetrics
 from gateway.push_relay import ChunkWriter, PushRun
 from gateway.relay import (
@@ -101,7 +103,7 @@ from prefix_index.base import ReplicaId
 from replicas.admission import Ticket
 from replicas.registry import LoadLease, Registry
 
-__all__ = ["CLIENT_CLOSED", "PINNED", "Proxy"]
+__all__ = ["CLIENT_CLOSED", "PINNED", "Begun", "Proxy"]
 
 log = logging.getLogger("kvgate.proxy")
 PINNED = "previous-response"  # the decision reason of a request pinned to its previous response's replica
@@ -141,6 +143,22 @@ class Attempt:
     stream_error: str | None = None  # the stream broke or stalled after the first byte
     closed: bool = False
     answered_headers: list[tuple[bytes, bytes]] = dataclasses.field(default_factory=list)  # as the sink wrote them
+
+
+@dataclass(slots=True)
+class Begun:
+    """A request the callbacks path (``gateway.callback_path``) routed, handed to its task:
+    its first attempt (leased and routed, ``Proxy.lease_now``), the inputs of its decision
+    and what it sends. ``sent``: its request was written (``Proxy.begin``), and its answer's
+    head is in ``attempt.response``, or ``failure`` came instead; else the task sends it."""
+
+    attempt: Attempt
+    inputs: RoutingInputs
+    path: str
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
+    sent: bool = False
+    failure: Failure | None = None
 
 
 @dataclass(slots=True)
@@ -199,28 +217,98 @@ class Proxy:
             return error_response(NoReplicaAvailable(f"no replica can take this request ({exc})"),
                                   route_headers("none", "no-replica"), ctx.endpoint)
         self.budget.requests += 1
+        return await self._counted(self._attempts(ctx, inputs, decision, path, body, headers, started_s, writer))
+
+    async def resume(self, begun: Begun, writer: ChunkWriter | None = None) -> Response:
+        """A request the callbacks path routed, continued in its task: its first attempt
+        sent (when it was not), or the rest of it (its head, or the failure that ended it),
+        then failover as ``forward``'s. It is counted in the budget's requests already."""
+        attempt = begun.attempt
+        return await self._counted(self._attempts(attempt.ctx, begun.inputs, attempt.decision, begun.path,
+                                                  begun.body, begun.headers, attempt.started_s, writer, begun))
+
+    async def _counted(self, attempts: Coroutine[Any, Any, Response]) -> Response:
+        """``attempts``' response; the request leaves the budget's count of requests when it
+        is answered (a stream: when it ends, ``_stream_closed``)."""
         response: Response | None = None
         try:
-            response = await self._attempts(ctx, inputs, decision, path, body, headers, started_s, writer)
+            response = await attempts
             return response
         finally:
-            if not isinstance(response, RelayResponse):  # a stream is counted until it ends
+            if not isinstance(response, RelayResponse):
                 self.budget.requests -= 1
+
+    # ------------------------------------------------------------- the callbacks path
+    def lease_now(self, ctx: RequestContext, decision: Decision, started_s: float) -> Attempt:
+        """The first attempt of a request decided on the callbacks path, from the client
+        connection's callback (``gateway.callback_path``), right after its decision as
+        ``forward`` and ``_attempts`` do before anything yields (no herding): the decision
+        counted, the request in the budget's count, the load leased, the hooks run."""
+        self.router.count(decision)
+        self.budget.requests += 1
+        lease = self.registry.lease(decision.replica, decision.predicted_uncached_tokens)
+        run_now(self.router.routed(ctx, decision), "the on_routed hooks")
+        return Attempt(ctx, decision, lease, started_s,
+                       self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
+
+    def begin(self, attempt: Attempt, conn: Sending, body: bytes, writer: ChunkWriter) -> asyncio.Future[H1Response]:
+        """Write the attempt's request on ``conn`` (an idle connection to its replica, with
+        the request's head), from the callback; the whole answer goes to the client through
+        the answer sink. Nothing here waits; the future gets the answer's head."""
+        connection, wire = conn
+        head = connection.request(wire, body, self._answer_sink(attempt, writer))
+        attempt.response = connection.response  # (its head to come: ``head``)
+        return head
+
+    def begun_failure(self, attempt: Attempt, exc: BaseException, timed_out: bool) -> Failure:
+        """The failure of a begun attempt whose head did not come (``_try``'s mapping)."""
+        replica = attempt.decision.replica
+        if timed_out or isinstance(exc, (TimeoutError, UpstreamTimedOut)):
+            return self._timeout("total_timeout", replica)
+        if isinstance(exc, UpstreamFailure):
+            return self._broken(exc, replica)
+        return Failure("disconnect", UpstreamError(f"replica {replica} failed before answering ({exc})"))
+
+    def answered(self, attempt: Attempt) -> None:
+        """A begun attempt whose sink wrote the whole answer: its bookkeeping, as
+        ``SentResponse`` runs it (in the callback, when nothing in it waits)."""
+        response = attempt.response
+        assert isinstance(response, H1Response) and response.answered is not None
+        self._first_byte(attempt)
+        attempt.last_byte_s = time.perf_counter()
+        self.budget.requests -= 1
+        run_now(self._sent(attempt, response.answered, attempt.answered_headers), "an answer's bookkeeping")
+
+    def abandon(self, attempt: Attempt, status: int) -> None:
+        """A begun attempt ended without its answer (the client left, shutdown cut it)."""
+        self.budget.requests -= 1
+        run_now(self._close(attempt, Outcome(ok=False, status=status)), "an abandoned request's bookkeeping")
 
     async def _attempts(self, ctx: RequestContext, inputs: RoutingInputs, decision: Decision, path: str,
                         body: bytes, headers: list[tuple[bytes, bytes]], started_s: float,
-                        writer: ChunkWriter | None = None) -> Response:
+                        writer: ChunkWriter | None = None, first: Begun | None = None) -> Response:
         tries = Tries()
         try:
             while True:
-                decision, lease = await self._lease(decision, tries.tried)
-                tries.tried.add(decision.replica)
-                await self.router.routed(ctx, decision)
-                attempt = Attempt(ctx, decision, lease, started_s,
-                                  self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
+                if first is not None:  # routed on the callbacks path (``lease_now``), maybe sent (``begin``)
+                    attempt, begun, first = first.attempt, first, None
+                    tries.tried.add(attempt.decision.replica)
+                else:
+                    decision, lease = await self._lease(decision, tries.tried)
+                    tries.tried.add(decision.replica)
+                    await self.router.routed(ctx, decision)
+                    attempt = Attempt(ctx, decision, lease, started_s, self.admission.offer(
+                        decision.replica, lease.predicted_uncached_tokens, ctx.stream))
+                    begun = None
                 try:
-                    await self.admission.wait(attempt.ticket)
-                    response = await self._try(attempt, path, body, headers, writer)
+                    if begun is None or not begun.sent:
+                        await self.admission.wait(attempt.ticket)
+                        response = await self._try(attempt, path, body, headers, writer)
+                    elif begun.failure is not None:
+                        raise begun.failure
+                    else:
+                        assert attempt.response is not None
+                        response = await self._after_head(attempt, attempt.response)
                 except Failure as exc:
                     failure = exc
                 except BaseException:  # a cancellation (client gone) or a bug: release the load, re-raise
@@ -348,6 +436,14 @@ class Proxy:
             raise self._timeout("head_timeout" if stream else "total_timeout", replica) from exc
         except UpstreamFailure as exc:
             raise self._broken(exc, replica) from exc
+        return await self._after_head(attempt, response)
+
+    async def _after_head(self, attempt: Attempt, response: ResponseLike) -> Response:
+        """The attempt from its final response head on (raises ``Failure``): the answer the
+        sink sent already, a whole one, a buffered one, or the relay of a stream."""
+        replica = attempt.decision.replica
+        stream = attempt.ctx.stream
+        cfg = self.cfg
         if isinstance(response, H1Response):
             if response.answered is not None:  # written to the client already, by the sink
                 self._first_byte(attempt)

@@ -184,10 +184,19 @@ class Router:
         self, ctx: RequestContext, inputs: RoutingInputs, exclude: frozenset[ReplicaId] = frozenset()
     ) -> Decision:
         """The policy's choice among replicas not in ``exclude``; raises NoRoutableReplica."""
-        precise = self._precise.get(id(ctx))
-        decision = self.core.decide(precise[1] if precise is not None else ctx, inputs, exclude)
-        self.metrics.routed(decision.policy, decision.reason, decision.predicted_cached_tokens)
+        decision = self.choose(ctx, inputs, exclude)
+        self.count(decision)
         return decision
+
+    def choose(
+        self, ctx: RequestContext, inputs: RoutingInputs, exclude: frozenset[ReplicaId] = frozenset()
+    ) -> Decision:
+        """``decide`` without counting the decision (``count`` does, once it is acted on)."""
+        precise = self._precise.get(id(ctx))
+        return self.core.decide(precise[1] if precise is not None else ctx, inputs, exclude)
+
+    def count(self, decision: Decision) -> None:
+        self.metrics.routed(decision.policy, decision.reason, decision.predicted_cached_tokens)
 
     async def routed(self, ctx: RequestContext, decision: Decision) -> None:
         """Right after the lease, before anything yields: account, then run the hooks."""

@@ -261,12 +261,14 @@ class EdgeAppFactory:
 
     def __call__(self) -> EdgeApp:
         from gateway.app import create_app
+        from gateway.callback_path import CallbackPath
 
         settings = self.settings()
         if not logging.getLogger().handlers:  # a --workers child: a fresh interpreter
             _log_setup(settings)
         fastapi_app = create_app(settings)
-        app = EdgeApp(InferenceFastPath(fastapi_app), lambda: fastapi_app.state.gateway.metrics)
+        app = EdgeApp(InferenceFastPath(fastapi_app), lambda: fastapi_app.state.gateway.metrics,
+                      lambda: CallbackPath.of(fastapi_app.state.gateway))
         gc.freeze()
         return app
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import orjson
 from uvicorn.server import Server
 
-from gateway.edge import Edge, EdgeServerState
+from gateway.edge import CallbackTaker, Edge, EdgeServerState
 from gateway.errors import anthropic_error_body, api_of, endpoint_of, error_body
 from gateway.push_relay import ChunkWriter, edge_writer
 from gateway.relay import sse_error
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.server")
+RESUME_EXTENSION = "kvgate.resume"  # scope extension: a request the callbacks path handed to its task
 CUT_SEND_TIMEOUT_S = 2.0  # bound on writing the last event to a client that does not read
 EDGE_KEY = "kvgate_edge"  # key of the Edge in the ASGI lifespan state
 MAIN_LOOP_TICK_S = 1.0  # uvicorn's main loop wakes this often (its own: 0.1 s); a signal wakes it at once
@@ -57,9 +58,13 @@ class EdgeApp:
     and the end of requests cut at shutdown. Passes everything through until a
     ``GatewayServer`` hands it an ``Edge`` (unit tests over ``httpx.ASGITransport`` have none)."""
 
-    def __init__(self, app: ASGIApp, metrics: Callable[[], GatewayMetrics | None]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Callable[[], GatewayMetrics | None],
+                 callbacks: Callable[[], CallbackTaker | None] = lambda: None) -> None:
+        """``metrics``, ``callbacks``: the app's metrics and callbacks path, read once its
+        lifespan has started (``gateway.callback_path``; None: every request is a task)."""
         self.app = app
         self.metrics = metrics
+        self.callbacks = callbacks
         self.edge: Edge | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -77,6 +82,7 @@ class EdgeApp:
         async def lifespan_send(message: Message) -> None:
             if message["type"] == "lifespan.startup.complete" and isinstance(edge, Edge):
                 edge.metrics = self.metrics()
+                edge.callbacks = self.callbacks()
                 self.edge = edge
             await send(message)
 
@@ -103,7 +109,8 @@ class EdgeApp:
         return None
 
     async def _http(self, edge: Edge, scope: Scope, receive: Receive, send: Send) -> None:
-        refusal = self._refusal(edge, scope)
+        # (a request the callbacks path began was admitted there: it is sent upstream already)
+        refusal = None if RESUME_EXTENSION in scope.get("extensions", {}) else self._refusal(edge, scope)
         if refusal is not None:
             status, body, retry_after = refusal
             headers = [(b"content-type", b"application/json")] + ([(b"retry-after", b"1")] if retry_after else [])
@@ -228,11 +235,11 @@ class GatewayServer(Server):
         edge = self.edge
         grace_s = edge.config.shutdown_grace_s
         edge.draining = True
-        log.info("shutting down: not ready; %d request(s) in flight get up to %.0f s", len(edge.requests), grace_s)
+        log.info("shutting down: not ready; %d request(s) in flight get up to %.0f s", edge.in_flight(), grace_s)
         # idle keep-alive connections stay open (closing them races with a client reusing
         # one); responses from now on close theirs (EdgeApp adds "Connection: close")
         deadline = time.monotonic() + grace_s
-        while edge.requests and time.monotonic() < deadline and not self.force_exit:
+        while edge.in_flight() and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
         edge.closing = True
         for server in self.servers:
@@ -246,12 +253,17 @@ class GatewayServer(Server):
             await self.lifespan.shutdown()
 
     async def _cut(self, edge: Edge) -> None:
-        """End what is still running: streams get their last event (``EdgeApp``)."""
-        if edge.requests:
-            log.warning("shutdown grace over: cutting %d request(s)", len(edge.requests))
+        """End what is still running: streams get their last event (``EdgeApp``), a
+        request on the callbacks path its 503 (``gateway.callback_path.Flight.cut``)."""
+        if edge.in_flight():
+            flights = list(edge.callbacks.flights if edge.callbacks is not None else ())
+            log.warning("shutdown grace over: cutting %d request(s) (%d on the callbacks path)", edge.in_flight(),
+                        len(flights))
             edge.cutting = True
             for task in list(edge.requests):
                 task.cancel()
+            for flight in flights:
+                flight.cut()
         deadline = time.monotonic() + CUT_SEND_TIMEOUT_S + 1.0
         while (edge.requests or self.server_state.tasks) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from gateway.eager import finished
 from gateway.sglang_pages import to_int64
-from loadtest.fleetsim.router import run_sync
 from loadtest.simulator.kv_publisher import KvEventRecorder
 from prefix_index.base import PrefixMatch, ReplicaId
 from prefix_index.precise import EventBlockIndex, to_prefix_match
@@ -90,7 +90,7 @@ class PreciseFleetIndex:
 
         def apply(events: tuple[Event, ...], ts: float) -> None:
             self.batches += 1
-            run_sync(self.sink.apply(endpoint, EventBatch(next(seq), ts, 0, events)))
+            finished(self.sink.apply(endpoint, EventBatch(next(seq), ts, 0, events)))
 
         return KvEventRecorder(self.page_size, apply, keep_token_ids=False)
 

@@ -29,15 +29,16 @@ as the gateway does; hooks and accounting keep the original context, so the appr
 index and the sessions are maintained as before.
 
 The index and hooks are async (``prefix_index.base``); the embedded backend never
-awaits, so `run_sync` drives each coroutine to completion without an event loop (and
+awaits, so `gateway.eager.finished` drives each coroutine to completion without an event loop (and
 fails loudly should a backend ever really wait).
 """
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+from gateway.eager import finished
 from loadtest.simulator.stats import EngineStats
 from policies.base import (
     Decision,
@@ -54,16 +55,6 @@ from replicas.model import ReplicaState, ReplicaView
 from replicas.probe import Capacity, ReportedLoad
 
 T = TypeVar("T")
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine that never suspends (the embedded index's) and return its value."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-    coro.close()
-    raise RuntimeError("an index or hook call suspended; only non-blocking (in-process) backends run synchronously")
 
 
 def reported_load(s: EngineStats) -> ReportedLoad:
@@ -94,7 +85,7 @@ class SimRouter:
         capacity = ReplicaCapacity(spec.device_tokens // block_tokens, spec.host_tokens // block_tokens)
         for rid in ids:
             policy.on_replica_added(rid)
-            run_sync(index.set_capacity(rid, capacity))
+            finished(index.set_capacity(rid, capacity))
 
     def slot(self, rid: ReplicaId) -> int:
         return self._slot[rid]
@@ -127,18 +118,18 @@ class SimRouter:
                precise: dict[ReplicaId, PrefixMatch] | None = None) -> RoutingInputs:
         index, core = self.index, self.core
         matches: dict[ReplicaId, PrefixMatch] = (
-            run_sync(index.match(ctx.block_hashes, self.ids))
+            finished(index.match(ctx.block_hashes, self.ids))
             if ctx.block_hashes and (precise is None or len(precise) < len(self.ids)) else {}
         )
         if precise is not None:
             matches = merge_matches(matches, precise, approx_block_tokens=ctx.block_tokens)
         key, parent = ctx.session.session, ctx.session.parent
         if core.resident_fresh(now_s) is None:
-            core.store_resident(now_s, run_sync(index.resident_tokens(now_s, core.resident_window_s)))
+            core.store_resident(now_s, finished(index.resident_tokens(now_s, core.resident_window_s)))
         return core.inputs(
             ctx, self.views(now_s), matches,
-            run_sync(index.get_session(key)) if key is not None else None,
-            run_sync(index.get_session(parent)) if parent is not None else None,
+            finished(index.get_session(key)) if key is not None else None,
+            finished(index.get_session(parent)) if parent is not None else None,
             now_s,
         )
 
@@ -154,10 +145,10 @@ class SimRouter:
         except NoRoutableReplica:
             return None
         self.core.account(ctx, decision)
-        run_sync(self.policy.on_routed(ctx, decision, self.index, now_s))
+        finished(self.policy.on_routed(ctx, decision, self.index, now_s))
         slot = self._slot[decision.replica]
         lease = LoadLease(decision.replica, self.counters[slot], decision.predicted_uncached_tokens)
         return decision, lease
 
     def completed(self, ctx: RequestContext, decision: Decision, outcome: Outcome, now_s: float) -> None:
-        run_sync(self.policy.on_completed(ctx, decision, outcome, self.index, now_s))
+        finished(self.policy.on_completed(ctx, decision, outcome, self.index, now_s))

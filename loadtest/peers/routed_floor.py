@@ -15,7 +15,7 @@ the settings ``kvgate serve`` would use (in-memory index, cache-aware policy):
   (``Router.completed``), the metrics.
 
 The index's and hooks' coroutines are kvgate's in-process ones: they finish without
-waiting, so they run to their end inside the callback (``loadtest.fleetsim.router.run_sync``,
+waiting, so they run to their end inside the callback (``gateway.eager.finished``,
 as the fleet simulator runs them; one that would wait, a remote index, is refused).
 
 The per-request machinery whose cost a product pays even when nothing goes wrong is here
@@ -43,10 +43,10 @@ import uvloop
 from gateway.app import ENDPOINT_PATHS, Gateway, build_gateway
 from gateway.bodies import header_map
 from gateway.context import build_context
+from gateway.eager import finished
 from gateway.errors import GatewayError, NoReplicaAvailable
 from gateway.relay import UsageSniffer, error_response, upstream_headers, usage_of_body
 from gateway.settings import load_settings
-from loadtest.fleetsim.router import run_sync
 from loadtest.peers.protocol_floor import Front, Pool, Request
 from loadtest.peers.python_floor import Replicas, floor_parser
 from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext
@@ -149,7 +149,7 @@ class Tap:
                                  outcome.cached_tokens, outcome.prompt_tokens)
         gw.metrics.usage(outcome.prompt_tokens, outcome.cached_tokens)
         gw.metrics.timing(ttft, None)
-        run_sync(gw.router.completed(self.ctx, self.decision, outcome))
+        finished(gw.router.completed(self.ctx, self.decision, outcome))
         gw.metrics.request_done(self.ctx.endpoint, outcome.status, time.perf_counter() - self.started_s)
         front.done(close)
 
@@ -219,7 +219,7 @@ class RoutedFront(Front):
         except GatewayError as exc:
             self._error(exc, endpoint)
             return
-        inputs = run_sync(router.snapshot(ctx))
+        inputs = finished(router.snapshot(ctx))
         try:
             decision = router.decide(ctx, inputs)
         except NoRoutableReplica as exc:
@@ -227,7 +227,7 @@ class RoutedFront(Front):
             self._error(NoReplicaAvailable(f"no replica can take this request ({exc})"), endpoint)
             return
         lease = gw.registry.lease(decision.replica, decision.predicted_uncached_tokens)
-        run_sync(router.routed(ctx, decision))
+        finished(router.routed(ctx, decision))
         peer = self.transport.get_extra_info("peername")
         out = upstream_headers(self.headers, gw.header_policy, peer[0] if peer else None)
         ticket = gw.admission.offer(decision.replica, decision.predicted_uncached_tokens, ctx.stream)

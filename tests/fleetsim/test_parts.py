@@ -1,4 +1,5 @@
-"""Unit tests of the fleetsim parts: prompts, oracle, run_sync, closed-loop pacing."""
+"""Unit tests of the fleetsim parts: prompts, oracle, closed-loop pacing (``gateway.eager.finished``,
+which drives the index and hooks, is tested in tests/gateway/test_eager.py)."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +11,6 @@ import pytest
 from loadtest import traces
 from loadtest.fleetsim.oracle import Oracle
 from loadtest.fleetsim.prompts import SessionPrompt
-from loadtest.fleetsim.router import run_sync
 from loadtest.fleetsim.run import SimConfig, run_policy
 from loadtest.fleetsim.sessions import Pacing
 from loadtest.simulator.profile import load_profile
@@ -53,22 +53,6 @@ def test_oracle_longest_seen_prefix() -> None:
     assert o.match_blocks([1, 2, 3, 4]) == 3
     assert o.match_blocks([1, 5]) == 1
     assert o.cached_tokens([1, 2, 3, 4], 64, 100) == 100
-
-
-def test_run_sync_refuses_a_suspending_coroutine() -> None:
-    async def fine() -> int:
-        return 3
-
-    class Suspend:
-        def __await__(self):  # type: ignore[no-untyped-def]
-            yield None
-
-    async def waits() -> None:
-        await Suspend()
-
-    assert run_sync(fine()) == 3
-    with pytest.raises(RuntimeError):
-        run_sync(waits())
 
 
 def test_closed_loop_waits_think_time_after_each_response(tmp_path: Path) -> None:

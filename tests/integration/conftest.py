@@ -32,6 +32,11 @@ class Gateway:
         return httpx.request(method, self.url + "/admin" + path, headers=AUTH | (headers or {}), timeout=60.0,
                              **kwargs)
 
+    def assert_quiet(self) -> None:
+        """Nothing logged as an error, no traceback."""
+        log = self.proc.output()
+        assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
     def replicas(self) -> dict[str, dict[str, Any]]:
         r = self.admin("GET", "/replicas")
         r.raise_for_status()

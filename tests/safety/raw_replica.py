@@ -27,6 +27,10 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import Gateway
 
 POISON = b'{"messages":[{"role":"assistant","content":null,"tool_calls":[{"function":3}]}]}'
 STATS = {"requests": 0, "disconnects": 0, "answered": 0}
@@ -195,6 +199,19 @@ def raw_fleet(n: int, log_dir: Path, *extra: str, modes: list[str] | None = None
         yield fleet
     finally:
         fleet.stop()
+
+
+@contextlib.contextmanager
+def raw_gateway(log_dir: Path, *gateway_args: str) -> Iterator[tuple[RawFleet, Gateway]]:
+    """One raw replica and a ``kvgate serve`` in front of it (``gateway_args`` added)."""
+    from tests.integration.conftest import start_gateway
+
+    with raw_fleet(1, log_dir) as fleet:
+        gateway = start_gateway(fleet.urls, log_dir / "gateway.log", *gateway_args)
+        try:
+            yield fleet, gateway
+        finally:
+            gateway.proc.stop()
 
 
 if __name__ == "__main__":

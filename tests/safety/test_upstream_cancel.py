@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.conftest import Gateway, start_gateway, wait_until
-from tests.safety.raw_replica import RawFleet, raw_fleet
+from tests.integration.conftest import Gateway, wait_until
+from tests.safety.raw_replica import RawFleet, raw_gateway
 
 pytestmark = pytest.mark.safety
 ABANDONED = 6  # of each kind: non-streaming, streaming
@@ -34,18 +34,8 @@ async def _abandon(url: str, i: int) -> None:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RawFleet, Gateway]]:
-    log_dir = tmp_path_factory.mktemp("cancel")
-    with raw_fleet(1, log_dir) as fleet:
-        gateway = start_gateway(fleet.urls, log_dir / "gateway.log")
-        try:
-            yield fleet, gateway
-        finally:
-            gateway.proc.stop()
-
-
-def _quiet(gw: Gateway) -> None:
-    log = gw.proc.output()
-    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    with raw_gateway(tmp_path_factory.mktemp("cancel")) as pair:
+        yield pair
 
 
 def test_abandoned_requests_are_cancelled_upstream_and_counted_499(setup: tuple[RawFleet, Gateway]) -> None:
@@ -60,7 +50,7 @@ def test_abandoned_requests_are_cancelled_upstream_and_counted_499(setup: tuple[
                "the replica sees every client leave")
     wait_until(lambda: _count_499(gw) - counted == 2 * ABANDONED, 10.0, "499s counted")
     assert all(v["in_flight"] == 0 for v in gw.replicas().values())
-    _quiet(gw)
+    gw.assert_quiet()
 
 
 def test_client_leaving_during_upload_is_a_quiet_499(setup: tuple[RawFleet, Gateway]) -> None:
@@ -73,7 +63,7 @@ def test_client_leaving_during_upload_is_a_quiet_499(setup: tuple[RawFleet, Gate
                          b"content-length: 100000\r\n\r\n{\"model\": \"m\", \"messa")
     wait_until(lambda: _count_499(gw) - counted == 3, 10.0, "499s counted")
     assert fleet.stats(0)["requests"] == sent  # nothing reached the replica
-    _quiet(gw)
+    gw.assert_quiet()
 
 
 def test_a_pipelining_client_that_leaves_cancels_the_request_in_progress(setup: tuple[RawFleet, Gateway]) -> None:
@@ -94,4 +84,4 @@ def test_a_pipelining_client_that_leaves_cancels_the_request_in_progress(setup: 
     wait_until(lambda: _count_499(gw) - counted >= 1, 10.0, "the abandoned request counted 499")
     wait_until(lambda: all(v["in_flight"] == 0 for v in gw.replicas().values()), 10.0, "no load held")
     assert fleet.stats(0)["requests"] - sent == 1  # the second never started
-    _quiet(gw)
+    gw.assert_quiet()
