@@ -51,6 +51,13 @@ the response ends, fails, or the client leaves (``RelayResponse`` runs the clean
 same bookkeeping right after its body is handed to the client's transport, so the client
 does not wait for it; an answer that came whole with its head (``H1Response.arrived``) is
 taken without waiting, so without timers.
+
+The callbacks path (``gateway/callback_path.py``) runs a small whole-answer request's first
+attempt from the client connection's callback, with this class's own steps: ``lease_now``
+(the decision counted, the load leased, the hooks run, right after the decision),
+``begin`` (the request written on an idle connection, the answer sink attached),
+``answered`` or ``abandon`` (the bookkeeping); a request it hands to its task goes on in
+``resume`` from where its first attempt stands (``Begun``), through the same ``_attempts``.
 """
 from __future__ import annotations
 
