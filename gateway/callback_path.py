@@ -12,17 +12,20 @@ there:
   100-continue`` starts the task at once, as before), then offers the request to
   ``CallbackPath.take`` from ``on_message_complete``.
 - ``take`` parses it (``build_context``), reads the in-process index (``snapshot``) and
-  decides, all without side effects, and takes the request only when every step of the
-  first attempt can be done now: not a stream, not the Responses API (its store waits),
-  the index and hooks in process (nothing waits), no state shared with other gateways,
-  an idle upstream connection to the decided replica (``H1Upstream.sending_now``). Else
-  it returns False having done nothing, and the request goes the task path unchanged
-  (which parses and decides again; it also answers every refusal and error, so those are
-  written in one place).
-- Taken, ``Proxy.begin`` counts the decision, leases the load, runs the hooks and writes
-  the request on that connection. The whole answer is written to the client from the
-  upstream connection's callback by the proxy's answer sink, as on the task path, and
-  its bookkeeping runs there too (``Proxy.answered``).
+  decides (``Router.choose``), all without side effects, and keeps the request only when
+  nothing in it has to wait: not a stream, not the Responses API (its store waits), the
+  index and hooks in process, no state shared with other gateways, the concurrency cap
+  not reached, not shutting down. Else it returns False having done nothing, and the
+  request goes the task path from its start (which answers every refusal and error, so
+  those are written in one place).
+- Kept, ``Proxy.lease_now`` counts the decision, leases the load and runs the hooks at
+  once, in the same callback, as the task path does right after its decision (the next
+  decision sees this one: no herding). With an idle upstream connection to the decided
+  replica (``H1Upstream.sending_now``), ``Proxy.begin`` writes the request on it; the
+  whole answer is written to the client from the upstream connection's callback by the
+  proxy's answer sink, as on the task path, and its bookkeeping runs there too
+  (``Proxy.answered``). With none, the request goes to its task leased and routed, and
+  the task sends it (one parse, one decision a request).
 - Anything else hands the request to its task, with the attempt as it stands
   (``Proxy.resume``): an answer that is not whole with its head (a body still coming), one
   that fails the attempt (a 5xx, 429 or 503: retried or judged there), or a failure
