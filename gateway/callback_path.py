@@ -254,24 +254,18 @@ class Flight:
         if not self._end("client_left"):
             return
         self._abort_upstream()
-        attempt = self.attempt
-        log.info("client left before the answer of request %s", attempt.ctx.request_id)
-        gw = self.callbacks.gateway
-        gw.proxy.abandon(attempt, CLIENT_CLOSED)
-        gw.metrics.request_done(attempt.ctx.endpoint, CLIENT_CLOSED, time.perf_counter() - attempt.started_s)
+        log.info("client left before the answer of request %s", self.attempt.ctx.request_id)
+        self.callbacks.gateway.proxy.abandon(self.attempt, CLIENT_CLOSED)
 
     def cut(self) -> None:
         """The shutdown grace is over: a 503 for the client, the upstream request closed."""
         if not self._end("cut"):
             return
         self._abort_upstream()
-        attempt = self.attempt
         body = edge_error(self.cycle.scope["path"], 503, CUT_MESSAGE, "server_shutdown", "server_shutdown")
         try:
             self.writer.answer(503, [(b"content-type", b"application/json"), (b"retry-after", b"1"),
                                      (b"content-length", b"%d" % len(body))], body)
         except RuntimeError as exc:
             log.info("could not end a cut request: %s", exc)
-        gw = self.callbacks.gateway
-        gw.proxy.abandon(attempt, 503)
-        gw.metrics.request_done(attempt.ctx.endpoint, 503, time.perf_counter() - attempt.started_s)
+        self.callbacks.gateway.proxy.abandon(self.attempt, 503)

@@ -268,28 +268,25 @@ class Proxy:
         return head
 
     def begun_failure(self, attempt: Attempt, exc: BaseException, timed_out: bool) -> Failure:
-        """The failure of a begun attempt whose head did not come (``_try``'s mapping)."""
+        """The failure of a begun attempt whose head did not come (``timed_out``: its total
+        timeout closed it)."""
         replica = attempt.decision.replica
-        if timed_out or isinstance(exc, (TimeoutError, UpstreamTimedOut)):
-            return self._timeout("total_timeout", replica)
-        if isinstance(exc, UpstreamFailure):
-            return self._broken(exc, replica)
-        return Failure("disconnect", UpstreamError(f"replica {replica} failed before answering ({exc})"))
+        return self._timeout("total_timeout", replica) if timed_out else self._failure(exc, "total_timeout", replica)
 
     def answered(self, attempt: Attempt) -> None:
         """A begun attempt whose sink wrote the whole answer: its bookkeeping, as
         ``SentResponse`` runs it (in the callback, when nothing in it waits)."""
-        response = attempt.response
-        assert isinstance(response, H1Response) and response.answered is not None
-        self._first_byte(attempt)
-        attempt.last_byte_s = time.perf_counter()
+        assert isinstance(attempt.response, H1Response)
+        sent, out = self._sink_answered(attempt, attempt.response)
         self.budget.requests -= 1
-        run_now(self._sent(attempt, response.answered, attempt.answered_headers), "an answer's bookkeeping")
+        run_now(self._sent(attempt, sent, out), "an answer's bookkeeping")
 
     def abandon(self, attempt: Attempt, status: int) -> None:
-        """A begun attempt ended without its answer (the client left, shutdown cut it)."""
+        """A begun attempt ended without its answer (the client left, shutdown cut it): its
+        bookkeeping, the request counted with ``status``."""
         self.budget.requests -= 1
         run_now(self._close(attempt, Outcome(ok=False, status=status)), "an abandoned request's bookkeeping")
+        self.metrics.request_done(attempt.ctx.endpoint, status, time.perf_counter() - attempt.started_s)
 
     async def _attempts(self, ctx: RequestContext, inputs: RoutingInputs, decision: Decision, path: str,
                         body: bytes, headers: list[tuple[bytes, bytes]], started_s: float,
@@ -439,10 +436,8 @@ class Proxy:
         try:
             async with asyncio.timeout(cfg.head_timeout_s if stream else cfg.total_timeout_s):
                 response = attempt.response = await self.upstream.send(replica, path, body, headers, sink)
-        except (TimeoutError, UpstreamTimedOut) as exc:
-            raise self._timeout("head_timeout" if stream else "total_timeout", replica) from exc
-        except UpstreamFailure as exc:
-            raise self._broken(exc, replica) from exc
+        except (TimeoutError, UpstreamFailure) as exc:
+            raise self._failure(exc, "head_timeout" if stream else "total_timeout", replica) from exc
         return await self._after_head(attempt, response)
 
     async def _after_head(self, attempt: Attempt, response: ResponseLike) -> Response:
@@ -453,9 +448,7 @@ class Proxy:
         cfg = self.cfg
         if isinstance(response, H1Response):
             if response.answered is not None:  # written to the client already, by the sink
-                self._first_byte(attempt)
-                attempt.last_byte_s = time.perf_counter()
-                sent, out = response.answered, attempt.answered_headers
+                sent, out = self._sink_answered(attempt, response)
                 return SentResponse(sent, response.status_code, out, lambda: self._sent(attempt, sent, out))
             response.keep()  # from here the answer is this task's
         status = response.status_code
@@ -472,10 +465,8 @@ class Proxy:
         try:
             async with asyncio.timeout(max(wait_s, 0.0)):
                 first = await anext(chunks, b"")
-        except (TimeoutError, UpstreamTimedOut) as exc:
-            raise self._timeout("first_byte_timeout" if stream else "total_timeout", replica) from exc
-        except UpstreamFailure as exc:
-            raise self._broken(exc, replica) from exc
+        except (TimeoutError, UpstreamFailure) as exc:
+            raise self._failure(exc, "first_byte_timeout" if stream else "total_timeout", replica) from exc
         self._first_byte(attempt)
         out_headers = self._response_headers(attempt)
         if sse:
@@ -488,6 +479,22 @@ class Proxy:
         attempt.first_byte_s = time.perf_counter()
         attempt.lease.first_byte()
         self.admission.started(attempt.ticket)
+
+    def _sink_answered(self, attempt: Attempt, response: H1Response) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """The answer the sink wrote (its body and headers), its first and last byte noted."""
+        assert response.answered is not None
+        self._first_byte(attempt)
+        attempt.last_byte_s = time.perf_counter()
+        return response.answered, attempt.answered_headers
+
+    def _failure(self, exc: BaseException, timeout_kind: str, replica: str) -> Failure:
+        """An attempt's failure before its answer: a timeout (``timeout_kind``), a refused or a
+        broken connection (the table above), anything else as a broken one."""
+        if isinstance(exc, (TimeoutError, UpstreamTimedOut)):
+            return self._timeout(timeout_kind, replica)
+        if isinstance(exc, UpstreamFailure):
+            return self._broken(exc, replica)
+        return Failure("disconnect", UpstreamError(f"replica {replica} failed before answering ({exc})"))
 
     @staticmethod
     def _timeout(kind: str, replica: str) -> Failure:
