@@ -18,12 +18,14 @@ there:
   not reached, not shutting down. Else it returns False having done nothing, and the
   request goes the task path from its start (which answers every refusal and error, so
   those are written in one place).
-- Kept, ``Proxy.lease_now`` counts the decision, leases the load and runs the hooks at
-  once, in the same callback, as the task path does right after its decision (the next
-  decision sees this one: no herding). With an idle upstream connection to the decided
-  replica (``H1Upstream.sending_now``), ``Proxy.begin`` writes the request on it; the
-  whole answer is written to the client from the upstream connection's callback by the
-  proxy's answer sink, as on the task path, and its bookkeeping runs there too
+- Kept, ``Proxy.lease_now`` counts the decision, leases the load and runs the hooks in
+  the same callback, as the task path does right after its decision (the next decision
+  sees this one: no herding). With an idle upstream connection to the decided replica
+  (``H1Upstream.sending_now``), ``Proxy.begin`` writes the request on it first and then
+  routes it (the replica starts on the request while the gateway does that bookkeeping;
+  nothing can come back, and no other request be decided, before the callback returns);
+  the whole answer is written to the client from the upstream connection's callback by
+  the proxy's answer sink, as on the task path, and its bookkeeping runs there too
   (``Proxy.answered``). With none, the request goes to its task leased and routed, and
   the task sends it (one parse, one decision a request).
 - Anything else hands the request to its task, with the attempt as it stands
@@ -141,17 +143,18 @@ class CallbackPath:
                 gw.router.forget(ctx)  # (its precise lookup, if any: the task path looks again)
             return False
         assert ctx is not None
-        # from here the request is this path's: leased and routed now, as the task path does
-        # right after its decision (the next decision sees this one); it ends answered here,
-        # handed to its task, or cut
-        begun = Begun(gw.proxy.lease_now(ctx, decision, started_s), inputs, path, body, out_headers)
+        # from here the request is this path's: leased and routed in this callback, as the
+        # task path does right after its decision (the next decision sees this one); it ends
+        # answered here, handed to its task, or cut
         if conn is None:  # sending would wait (no idle connection): the task sends it
-            hand_over(cycle, begun, start_task)
+            hand_over(cycle, Begun(gw.proxy.lease_now(ctx, decision, started_s), inputs, path, body, out_headers),
+                      start_task)
             return True
-        begun.sent = True
-        flight = Flight(self, edge, cycle, writer, begun, start_task)
+        attempt, head = gw.proxy.begin(ctx, decision, started_s, conn, body, writer)  # sent, then routed
+        flight = Flight(self, edge, cycle, writer, Begun(attempt, inputs, path, body, out_headers, sent=True),
+                        start_task)
         try:
-            flight.start(gw.proxy.begin(begun.attempt, conn, body, writer))
+            flight.start(head)
         except Exception:  # a bug: the attempt goes on in its task (its failover, its error answers)
             log.exception("callbacks path: request %s handed to its task", ctx.request_id)
             flight.fail()

@@ -110,6 +110,13 @@ class H1Response:
         self._answer = answer  # offered the whole answer when it ends complete, until taken back
         self.answered: bytes | None = None  # the body, when ``_answer`` sent the answer on
 
+    def answer_with(self, answer: AnswerSink) -> None:
+        """Offer the whole answer to ``answer`` (as ``_Connection.request``'s ``answer``),
+        attached after the request was written, in the same callback (before anything of the
+        answer can be read)."""
+        assert not self._ended
+        self._answer = answer
+
     # ---------------------------------------------------------------- from the connection
     def _body(self, data: bytes) -> None:
         sink = self._sink
@@ -342,15 +349,15 @@ class _Connection(asyncio.Protocol):
         """Send one request; the future gets the final response head; ``answer`` is offered
         the whole answer when it ends complete (``H1Response.keep`` takes that back)."""
         self._cancel_idle_timer()
-        self.response = H1Response(self, answer)
-        self.headed = self.until_close = False
-        self.head_bytes = 0
-        self.head = asyncio.get_running_loop().create_future()
-        if len(body) < 16384:
+        if len(body) < 16384:  # written first (the replica starts on it); nothing comes back before this returns
             self.transport.write(wire + body)
         else:
             self.transport.write(wire)
             self.transport.write(body)
+        self.response = H1Response(self, answer)
+        self.headed = self.until_close = False
+        self.head_bytes = 0
+        self.head = asyncio.get_running_loop().create_future()
         return self.head
 
     def _end(self, error: BaseException | None) -> None:

@@ -55,7 +55,8 @@ taken without waiting, so without timers.
 The callbacks path (``gateway/callback_path.py``) runs a small whole-answer request's first
 attempt from the client connection's callback, with this class's own steps: ``lease_now``
 (the decision counted, the load leased, the hooks run, right after the decision),
-``begin`` (the request written on an idle connection, the answer sink attached),
+``begin`` (the request written on an idle connection, then routed as ``lease_now``
+does and the answer sink attached: the replica starts before the bookkeeping),
 ``answered`` or ``abandon`` (the bookkeeping); a request it hands to its task goes on in
 ``resume`` from where its first attempt stands (``Begun``), through the same ``_attempts``.
 """
@@ -258,14 +259,26 @@ class Proxy:
         return Attempt(ctx, decision, lease, started_s,
                        self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
 
-    def begin(self, attempt: Attempt, conn: Sending, body: bytes, writer: ChunkWriter) -> asyncio.Future[H1Response]:
-        """Write the attempt's request on ``conn`` (an idle connection to its replica, with
-        the request's head), from the callback; the whole answer goes to the client through
-        the answer sink. Nothing here waits; the future gets the answer's head."""
+    def begin(self, ctx: RequestContext, decision: Decision, started_s: float, conn: Sending, body: bytes,
+              writer: ChunkWriter) -> tuple[Attempt, asyncio.Future[H1Response]]:
+        """Write the request on ``conn`` (an idle connection to the decided replica, with the
+        request's head) from the callback, then route it (``lease_now``) and attach the
+        answer sink: the replica starts on the request while the gateway does its
+        bookkeeping, and nothing can come back before this callback returns (so the next
+        decision still sees this one, and the answer finds its sink). The whole answer goes
+        to the client through the sink; the future gets the answer's head."""
         connection, wire = conn
-        head = connection.request(wire, body, self._answer_sink(attempt, writer))
-        attempt.response = connection.response  # (its head to come: ``head``)
-        return head
+        head = connection.request(wire, body)
+        try:
+            attempt = self.lease_now(ctx, decision, started_s)
+        except BaseException:
+            connection.abort()  # (a bug: the request sent, nothing routed; the replica sees the close)
+            raise
+        response = connection.response
+        assert response is not None
+        response.answer_with(self._answer_sink(attempt, writer))
+        attempt.response = response  # (its head to come: ``head``)
+        return attempt, head
 
     def begun_failure(self, attempt: Attempt, exc: BaseException, timed_out: bool) -> Failure:
         """The failure of a begun attempt whose head did not come (``timed_out``: its total

@@ -980,3 +980,31 @@ async def test_a_broken_answer_is_not_offered_to_the_answer_sink() -> None:
         with pytest.raises(Disconnected):
             await read_body(response)
         assert offered == [] and response.answered is None
+
+
+async def test_a_sink_attached_after_the_write_in_the_same_callback_gets_the_whole_answer() -> None:
+    """The callbacks path writes first (``sending_now`` then ``request``) and attaches the
+    sink after (``answer_with``): nothing of the answer is read before the caller returns."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        for body in (b"first", b"second"):
+            await read_request(reader)
+            writer.write(answer(body))
+
+    offered: list[bytes] = []
+
+    def offer(status: int, headers: HeadersLike, body: bytes) -> bool:
+        offered.append(body)
+        return True
+
+    async with fake_replica(serve) as replica, h1() as pool:
+        assert await read_body(await send(pool, replica.url, b"{}")) == b"first"  # (an idle connection now)
+        sending = pool.sending_now(replica.url, "/v1/x", b"{}", [])
+        assert sending is not None
+        conn, wire = sending
+        head = conn.request(wire, b"{}")
+        response = conn.response
+        assert response is not None
+        response.answer_with(offer)
+        assert await asyncio.wait_for(head, WAIT_S) is response
+        await asyncio.sleep(0.05)  # (the body came with the head)
+        assert offered == [b"second"] and response.answered == b"second"

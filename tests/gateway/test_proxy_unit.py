@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 from starlette.types import Message
 
 from gateway.bodies import header_map
+from gateway.proxy import Proxy
 from gateway.relay import (
     AnsweredResponse,
     HeaderPolicy,
@@ -275,3 +277,60 @@ async def test_refused_connection_is_retried_outside_the_budget() -> None:
     assert [r.status_code for r in rs] == [200, 200, 200]
     assert {r.headers["x-kvgate-replica"] for r in rs} == {C3}
     assert "kvgate_retry_budget_exhausted_total 0.0" in metrics
+
+
+# -- the callbacks path's first attempt: sent, then routed (``Proxy.begin``) ------------------
+class _Connection:
+    """A stub of an idle upstream connection: records the write and the close."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.response: _Response | None = None
+
+    def request(self, wire: bytes, body: bytes) -> str:
+        self.events.append("written")
+        self.response = _Response()
+        return "head"
+
+    def abort(self) -> None:
+        self.events.append("aborted")
+
+
+class _Response:
+    sink: object = None
+
+    def answer_with(self, sink: object) -> None:
+        self.sink = sink
+
+
+class _Routing:
+    """``Proxy.begin``'s own steps, recorded (``lease_now`` raising when ``fail``)."""
+
+    def __init__(self, events: list[str], fail: bool = False) -> None:
+        self.events, self.fail = events, fail
+
+    def lease_now(self, ctx: object, decision: object, started_s: float) -> SimpleNamespace:
+        if self.fail:
+            raise RuntimeError("a bug in the routing bookkeeping")
+        self.events.append("routed")
+        return SimpleNamespace(response=None)
+
+    def _answer_sink(self, attempt: object, writer: object) -> str:
+        return "sink"
+
+
+def test_begin_writes_the_request_before_routing_it_and_attaches_the_sink() -> None:
+    """The replica starts on the request while the gateway leases and runs the hooks; the
+    answer's sink is attached in the same call (nothing is read before it returns)."""
+    events: list[str] = []
+    conn = _Connection(events)
+    attempt, head = Proxy.begin(_Routing(events), None, None, 0.0, (conn, b"wire"), b"{}", None)  # type: ignore[arg-type]
+    assert events == ["written", "routed"] and head == "head"
+    assert conn.response is not None and conn.response.sink == "sink" and attempt.response is conn.response
+
+
+def test_begin_closes_the_sent_request_when_routing_it_fails() -> None:
+    events: list[str] = []
+    with pytest.raises(RuntimeError):
+        Proxy.begin(_Routing(events, fail=True), None, None, 0.0, (_Connection(events), b"wire"), b"{}", None)  # type: ignore[arg-type]
+    assert events == ["written", "aborted"]  # the replica sees the close (SGLang aborts the request)
