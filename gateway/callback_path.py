@@ -150,7 +150,11 @@ class CallbackPath:
             hand_over(cycle, Begun(gw.proxy.lease_now(ctx, decision, started_s), inputs, path, body, out_headers),
                       start_task)
             return True
-        attempt, head = gw.proxy.begin(ctx, decision, started_s, conn, body, writer)  # sent, then routed
+        begun = gw.proxy.begin(ctx, decision, started_s, conn, body, writer)  # sent, then routed
+        if begun is None:  # the write failed, nothing routed: the task path from the start
+            gw.router.forget(ctx)
+            return False
+        attempt, head = begun
         flight = Flight(self, edge, cycle, writer, Begun(attempt, inputs, path, body, out_headers, sent=True),
                         start_task)
         try:

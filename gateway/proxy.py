@@ -260,15 +260,21 @@ class Proxy:
                        self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
 
     def begin(self, ctx: RequestContext, decision: Decision, started_s: float, conn: Sending, body: bytes,
-              writer: ChunkWriter) -> tuple[Attempt, asyncio.Future[H1Response]]:
+              writer: ChunkWriter) -> tuple[Attempt, asyncio.Future[H1Response]] | None:
         """Write the request on ``conn`` (an idle connection to the decided replica, with the
         request's head) from the callback, then route it (``lease_now``) and attach the
         answer sink: the replica starts on the request while the gateway does its
         bookkeeping, and nothing can come back before this callback returns (so the next
         decision still sees this one, and the answer finds its sink). The whole answer goes
-        to the client through the sink; the future gets the answer's head."""
+        to the client through the sink; the future gets the answer's head. None, nothing
+        routed and the connection closed, when the write itself raises (the task path's
+        send treats that as a broken connection too): the caller starts over."""
         connection, wire = conn
-        head = connection.request(wire, body)
+        try:
+            head = connection.request(wire, body)
+        except Exception:  # noqa: BLE001  (e.g. a transport whose handle is already closed)
+            connection.abort()
+            return None
         try:
             attempt = self.lease_now(ctx, decision, started_s)
         except BaseException:

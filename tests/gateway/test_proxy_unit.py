@@ -283,11 +283,13 @@ async def test_refused_connection_is_retried_outside_the_budget() -> None:
 class _Connection:
     """A stub of an idle upstream connection: records the write and the close."""
 
-    def __init__(self, events: list[str]) -> None:
-        self.events = events
+    def __init__(self, events: list[str], closed: bool = False) -> None:
+        self.events, self.closed = events, closed
         self.response: _Response | None = None
 
     def request(self, wire: bytes, body: bytes) -> str:
+        if self.closed:  # (as a transport whose handle is closed raises)
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
         self.events.append("written")
         self.response = _Response()
         return "head"
@@ -324,7 +326,9 @@ def test_begin_writes_the_request_before_routing_it_and_attaches_the_sink() -> N
     answer's sink is attached in the same call (nothing is read before it returns)."""
     events: list[str] = []
     conn = _Connection(events)
-    attempt, head = Proxy.begin(_Routing(events), None, None, 0.0, (conn, b"wire"), b"{}", None)  # type: ignore[arg-type]
+    begun = Proxy.begin(_Routing(events), None, None, 0.0, (conn, b"wire"), b"{}", None)  # type: ignore[arg-type]
+    assert begun is not None
+    attempt, head = begun
     assert events == ["written", "routed"] and head == "head"
     assert conn.response is not None and conn.response.sink == "sink" and attempt.response is conn.response
 
@@ -334,3 +338,12 @@ def test_begin_closes_the_sent_request_when_routing_it_fails() -> None:
     with pytest.raises(RuntimeError):
         Proxy.begin(_Routing(events, fail=True), None, None, 0.0, (_Connection(events), b"wire"), b"{}", None)  # type: ignore[arg-type]
     assert events == ["written", "aborted"]  # the replica sees the close (SGLang aborts the request)
+
+
+def test_begin_routes_nothing_when_the_write_fails() -> None:
+    """A write that raises: nothing is routed (no lease, no hooks), the connection is
+    closed, and the caller starts over (the task path, from the request's start)."""
+    events: list[str] = []
+    assert Proxy.begin(_Routing(events), None, None, 0.0, (_Connection(events, closed=True), b"wire"), b"{}",  # type: ignore[arg-type]
+                       None) is None
+    assert events == ["aborted"]

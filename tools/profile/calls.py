@@ -65,6 +65,13 @@ async def drive(url: str, body: bytes, n: int) -> None:
 
 def profiled(pid: int, url: str, body: bytes, n: int, out: Path, warmup: int) -> pstats.Stats:
     """``n`` requests through the target while its profile runs (after ``warmup`` unprofiled ones)."""
+    recorded(pid, url, body, n, out, warmup)
+    return pstats.Stats(str(out))
+
+
+def recorded(pid: int, url: str, body: bytes, n: int, out: Path, warmup: int) -> None:
+    """``warmup`` requests, then ``n`` between SIGUSR1 and SIGUSR2 (a hook in the target
+    records them), then the wait for the hook to write ``out`` (whole: it renames)."""
     asyncio.run(drive(url, body, warmup))
     os.kill(pid, signal.SIGUSR1)
     time.sleep(0.2)  # the handler runs at the target's next bytecode: let it start before the first request
@@ -73,9 +80,8 @@ def profiled(pid: int, url: str, body: bytes, n: int, out: Path, warmup: int) ->
     deadline = time.monotonic() + 30.0
     while not out.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the target (pid {pid}) wrote no profile to {out}")
+            raise TimeoutError(f"the target (pid {pid}) wrote nothing to {out} (its hook failed? see its log)")
         time.sleep(0.05)
-    return pstats.Stats(str(out))
 
 
 def where(key: Key) -> str:
