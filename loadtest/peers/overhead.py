@@ -28,6 +28,10 @@ step-up search from ``--max-rate-start`` by x``--max-rate-step``, ``--max-rate-s
 seconds (and at least ``--max-rate-n`` requests, 1,000: a supported p99) per side and step, direct first, stopping at the first step over the limit (or
 stepping down while the first rate is already over it).
 
+``--pin-routers CPUS``: every router's threads on those CPUs, the bench's client and the
+replica on the others (``loadtest/peers/pinning.py``): a router then competes with no other
+process of the bench, as on a host of its own.
+
 The machine is shared and noisy: compare the targets of one run with each other, not with
 another run's absolute numbers.  Standalone: ``python -m loadtest.peers.overhead``.
 """
@@ -60,6 +64,7 @@ from loadtest.bench_gateway import (
 )
 from loadtest.bench_simulator import process_cpu_s
 from loadtest.bootstrap import bootstrap_differences
+from loadtest.peers.pinning import on_cpus, pin_threads, split_cpus
 from loadtest.peers.targets import kvgate_policy, open_target, target_version
 from loadtest.percentile import percentile
 from loadtest.simulator.fleet import SimFleet
@@ -88,6 +93,7 @@ class Options:
     max_rate_p99_ms: float = 10.0
     stream_tokens: int = 8  # output tokens of a streamed case (one SSE chunk each)
     sequential: bool = False  # the targets' cases one target after the other (the others idle)
+    pin_routers: tuple[int, ...] = ()  # CPUs for the routers (the client and replica on the rest); () none
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -97,6 +103,7 @@ class Options:
         values = {f.name: getattr(args, f.name, getattr(d, f.name)) for f in dataclasses.fields(cls)}
         values["kbs"] = _ints(kbs)
         values["concurrency"] = _ints(str(getattr(args, "concurrency", "1,32")))
+        values["pin_routers"] = _ints(str(getattr(args, "pin_routers", None) or ""))
         return cls(**values)
 
 
@@ -224,7 +231,14 @@ def overhead_rows(
     targets: Sequence[str], opts: Options, log_dir: Path, console: Console
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
-    with SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir) as fleet, ExitStack() as stack:
+    routers_cpus: set[int] | None = None
+    with ExitStack() as stack:
+        if opts.pin_routers:  # (pinning: this thread and what it starts on the other CPUs)
+            routers_cpus, rest = split_cpus(opts.pin_routers)
+            stack.enter_context(on_cpus(rest))
+            console.print(f"pinned: routers on CPU {sorted(routers_cpus)}, the bench's client and the replica on "
+                          f"{sorted(rest)}")
+        fleet = stack.enter_context(SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir))
         replica = fleet.urls[0]
         opened: list[tuple[str, str, int]] = []
         for target in targets:
@@ -235,6 +249,8 @@ def overhead_rows(
                 console.print(f"[red]{target} failed to start: {e}[/]")
                 rows.append({**_head(target), "error": str(e)})
                 continue
+            if routers_cpus is not None:
+                pin_threads(pid, routers_cpus)
             opened.append((target, url, pid))
         rates: list[dict[str, Any]] = []
         groups = [[o] for o in opened] if opts.sequential else [opened] if opened else []
@@ -322,6 +338,9 @@ def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentG
     parser.add_argument("--sequential", action="store_true",
                         help="measure the targets one after the other (all started; only the measured one gets "
                              "requests) instead of interleaving their rounds")
+    parser.add_argument("--pin-routers", default="", metavar="CPUS",
+                        help="CPUs (comma-separated) every router is pinned to; the bench's client and the replica "
+                             "run on the others (loadtest/peers/pinning.py); default: no pinning")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
