@@ -314,12 +314,16 @@ class EdgeProtocol(HttpToolsProtocol):
                 and callbacks.wants(cycle.scope["method"], cycle.scope["path"])):
             self.held = (cycle, app)
             return
+        self._start_now(cycle, app)
+
+    def _start_now(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        """Start the request's ASGI task (uvicorn's way), held back or not."""
         super()._start_asgi_task(cycle, app)
 
     def _start_held(self) -> None:
         held, self.held = self.held, None
         if held is not None:
-            super()._start_asgi_task(*held)
+            self._start_now(*held)
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
@@ -336,7 +340,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self.held = None
         callbacks = self.edge.callbacks
         writer = edge_writer(cycle.scope)
-        start = functools.partial(HttpToolsProtocol._start_asgi_task, self, cycle, app)
+        start = functools.partial(self._start_now, cycle, app)
         if callbacks is None or writer is None or cycle.disconnected or not callbacks.take(self.edge, cycle, writer,
                                                                                             start):
             start()

@@ -256,8 +256,7 @@ class Proxy:
         self.budget.requests += 1
         lease = self.registry.lease(decision.replica, decision.predicted_uncached_tokens)
         run_now(self.router.routed(ctx, decision), "the on_routed hooks")
-        return Attempt(ctx, decision, lease, started_s,
-                       self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
+        return self._attempt(ctx, decision, lease, started_s)
 
     def begin(self, ctx: RequestContext, decision: Decision, started_s: float, conn: Sending, body: bytes,
               writer: ChunkWriter) -> tuple[Attempt, asyncio.Future[H1Response]] | None:
@@ -320,8 +319,7 @@ class Proxy:
                     decision, lease = await self._lease(decision, tries.tried)
                     tries.tried.add(decision.replica)
                     await self.router.routed(ctx, decision)
-                    attempt = Attempt(ctx, decision, lease, started_s, self.admission.offer(
-                        decision.replica, lease.predicted_uncached_tokens, ctx.stream))
+                    attempt = self._attempt(ctx, decision, lease, started_s)
                     begun = None
                 try:
                     if begun is None or not begun.sent:
@@ -493,6 +491,11 @@ class Proxy:
             relayed = _Stream(attempt, first, lambda: self._relay(attempt, first, chunks), cfg.stall_timeout_s)
             return RelayResponse(relayed, status, out_headers, lambda: self._stream_closed(attempt))
         return await self._buffered(attempt, first, chunks, out_headers)
+
+    def _attempt(self, ctx: RequestContext, decision: Decision, lease: LoadLease, started_s: float) -> Attempt:
+        """A leased and routed attempt, with its place in prefill admission."""
+        return Attempt(ctx, decision, lease, started_s,
+                       self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
 
     def _first_byte(self, attempt: Attempt) -> None:
         attempt.first_byte_s = time.perf_counter()

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from gateway.eager import finished
 from loadtest.simulator.stats import EngineStats
@@ -53,8 +53,6 @@ from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, Replica
 from replicas.load import LoadCounters, LoadLease
 from replicas.model import ReplicaState, ReplicaView
 from replicas.probe import Capacity, ReportedLoad
-
-T = TypeVar("T")
 
 
 def reported_load(s: EngineStats) -> ReportedLoad:
