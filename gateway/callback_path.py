@@ -54,7 +54,7 @@ from gateway.context import build_context
 from gateway.eager import WouldWait, finished
 from gateway.errors import GatewayError
 from gateway.h1_upstream import H1Response, H1Upstream
-from gateway.proxy import CLIENT_CLOSED, Begun, Failure
+from gateway.proxy import CLIENT_CLOSED, Begun, Failure, sent_whole
 from gateway.relay import upstream_headers
 from gateway.server import RESUME_EXTENSION, edge_error
 from policies.base import NoRoutableReplica
@@ -215,7 +215,9 @@ class Flight:
             response.close()
 
     def _headed(self, head: asyncio.Future[H1Response]) -> None:
-        """The answer's head came (or the exchange failed before it)."""
+        """The answer's head came (or the exchange failed before it). A whole answer whose
+        body is still coming (a replica writes the head and the body apart, and they may
+        arrive in two reads) stays here: the sink sends it at its end, then ``_settled``."""
         if self.ended:
             return
         try:
@@ -224,9 +226,30 @@ class Flight:
                 self._hand_over(self.callbacks.gateway.proxy.begun_failure(self.attempt, exc, self.timed_out))
                 return
             response = head.result()
-            if response.answered is not None:  # the sink wrote the whole answer already
+            if response.answered is None and not response.ended and sent_whole(response.status_code,
+                                                                              response.headers):
+                response.when_settled(self._settled)
+                return
+        except Exception:  # a bug here must not leave the request hanging
+            log.exception("callbacks path failed for request %s", self.attempt.ctx.request_id)
+            self.fail()
+            return
+        self._settled()
+
+    def _settled(self) -> None:
+        """The answer ended (the sink sent it, or could not), or it needs a reader: answered
+        here, or handed to the task (which takes the answer where it stands)."""
+        if self.ended:
+            return
+        try:
+            proxy = self.callbacks.gateway.proxy
+            response = self.attempt.response
+            assert isinstance(response, H1Response)
+            if response.answered is not None:  # the sink wrote the whole answer
                 self._end("answered")
-                self.callbacks.gateway.proxy.answered(self.attempt)
+                proxy.answered(self.attempt)
+            elif self.timed_out:  # the body did not come in time: a total timeout, as on the task path
+                self._hand_over(proxy.begun_failure(self.attempt, TimeoutError(), True))
             else:
                 self._hand_over(None)
         except Exception:  # a bug here must not leave the request hanging
@@ -248,11 +271,12 @@ class Flight:
         hand_over(self.cycle, self.begun, self.start_task)
 
     def _expired(self) -> None:
-        """``upstream.total_timeout_s`` passed without the answer: the task answers 504."""
+        """``upstream.total_timeout_s`` passed without the whole answer: the upstream request
+        is closed, and the task answers as its total timeout does (504, or failover)."""
         self.timer = None
-        head = self.head
-        if self.ended or head is None or head.done():
-            return  # (the head is in: its callback decides)
+        head, response = self.head, self.attempt.response
+        if self.ended or head is None or (head.done() and isinstance(response, H1Response) and response.ended):
+            return  # (the answer is in: its callback decides)
         self.timed_out = True
         self._abort_upstream()
 

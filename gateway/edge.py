@@ -348,7 +348,12 @@ class EdgeProtocol(HttpToolsProtocol):
             self.took = True
 
     def on_response_complete(self) -> None:
-        self.writers = [w for w in self.writers if not w.cycle.response_complete]
+        writers = self.writers
+        self.writers = [w for w in writers if not w.cycle.response_complete]
+        if len(self.writers) < len(writers):
+            for writer in writers:
+                if writer.cycle.response_complete:
+                    writer.detach()
         pipelined = bool(self.pipeline)
         super().on_response_complete()  # arms uvicorn's keep-alive timer when nothing is queued
         if not pipelined and not self.transport.is_closing():

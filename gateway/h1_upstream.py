@@ -44,7 +44,7 @@ import asyncio
 import logging
 import re
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -94,8 +94,8 @@ class _Replica:
 class H1Response:
     """A final response head and its body, pulled (``aiter_raw``) or pushed (``push``)."""
 
-    __slots__ = ("_answer", "_buffered", "_chunks", "_conn", "_ended", "_error", "_sink", "_waiter", "answered",
-                 "headers", "status_code")
+    __slots__ = ("_answer", "_buffered", "_chunks", "_conn", "_ended", "_error", "_settled", "_sink", "_waiter",
+                 "answered", "headers", "status_code")
 
     def __init__(self, conn: _Connection, answer: AnswerSink | None = None) -> None:
         self._conn: _Connection | None = conn  # None once the answer is complete (the connection is free)
@@ -109,6 +109,7 @@ class H1Response:
         self._sink: PushSink | None = None
         self._answer = answer  # offered the whole answer when it ends complete, until taken back
         self.answered: bytes | None = None  # the body, when ``_answer`` sent the answer on
+        self._settled: Callable[[], None] | None = None  # ``when_settled``'s callback
 
     def answer_with(self, answer: AnswerSink) -> None:
         """Offer the whole answer to ``answer`` (as ``_Connection.request``'s ``answer``),
@@ -116,6 +117,24 @@ class H1Response:
         answer can be read)."""
         assert not self._ended
         self._answer = answer
+
+    @property
+    def ended(self) -> bool:
+        """The answer ended: complete, or broken."""
+        return self._ended
+
+    def when_settled(self, callback: Callable[[], None]) -> None:
+        """``callback`` is called once, soon after (``call_soon``: never inside the
+        connection's callback) the answer ends, complete or broken, or its reading stops
+        for want of a reader (the body buffered past ``PAUSE_BYTES``: only a puller takes
+        it on from there). For an answer whose head came before its body."""
+        assert not self._ended
+        self._settled = callback
+
+    def _settle(self) -> None:
+        callback, self._settled = self._settled, None
+        if callback is not None:
+            asyncio.get_running_loop().call_soon(callback)
 
     # ---------------------------------------------------------------- from the connection
     def _body(self, data: bytes) -> None:
@@ -132,6 +151,7 @@ class H1Response:
         self._buffered += len(data)
         if self._buffered > PAUSE_BYTES and self._conn is not None:
             self._conn.transport.pause_reading()
+            self._settle()
         self._wake()
 
     def _finish(self, error: BaseException | None) -> None:
@@ -158,6 +178,7 @@ class H1Response:
             self._sink = None
             sink.end(error)
         self._wake()
+        self._settle()
 
     def _joined(self) -> bytes:
         """The body buffered so far, kept as one chunk (joined once; none when empty)."""

@@ -7,6 +7,11 @@ policy's small vocabulary), ``replica`` (fleet size), ``state``, ``tier``, ``plu
 Request-path metrics are updated as requests go; fleet gauges (replica state, load,
 index sizes) are refreshed from the registry and the index when ``/metrics`` is scraped
 (``refresh_fleet``), so they cost nothing between scrapes.
+
+The process's own, read at scrape as well: ``python_gc_*`` (the garbage collector's
+collections and the objects they found, per generation: cyclic garbage a request leaves
+behind shows here, and a collection of it is a pause on some request's path) and
+``process_*`` (CPU seconds, resident memory, open files).
 """
 from __future__ import annotations
 
@@ -14,7 +19,15 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from prefix_index.base import IndexStats, ReplicaId
@@ -43,6 +56,8 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        GCCollector(registry=r)
+        ProcessCollector(registry=r)
         self.requests = Counter("kvgate_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.route_decisions = Counter("kvgate_route_decisions", "Routing decisions by policy and reason",

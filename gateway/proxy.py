@@ -533,7 +533,7 @@ class Proxy:
         (``ChunkWriter.answer``) when the task would send it as it is: not an answer that
         fails the attempt (5xx, 429: retried or judged by the task), not a stream."""
         def answer(status: int, headers: HeadersLike, data: bytes) -> bool:
-            if _fails(status) or _is_sse(headers):
+            if not sent_whole(status, headers):
                 return False
             out = [*self._client_headers(attempt.decision, headers.raw), (b"content-length", b"%d" % len(data))]
             if not writer.answer(status, out, data):
@@ -714,6 +714,12 @@ def _stream_broke(attempt: Attempt, exc: BaseException, stalled: bool, stall_s: 
     what = f"stalled for {stall_s:g} s" if stalled else f"failed mid-stream ({exc})"
     attempt.stream_error = f"replica {attempt.decision.replica} {what}"
     return (b"" if boundary else b"\n\n") + sse_error(attempt.stream_error, api=attempt.ctx.endpoint)
+
+
+def sent_whole(status: int, headers: HeadersLike) -> bool:
+    """An answer the answer sink sends on as it is, once whole: not one that fails its
+    attempt, not a stream."""
+    return not (_fails(status) or _is_sse(headers))
 
 
 def _fails(status: int) -> bool:

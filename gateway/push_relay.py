@@ -103,6 +103,15 @@ class ChunkWriter:
         c.on_response()
         return True
 
+    def detach(self) -> None:
+        """The response is complete: its scope stops naming this writer, so the scope, the
+        cycle and the writer (which name each other) are freed when the request ends, by
+        reference counting, not by the garbage collector (a collection of a few hundred
+        requests' cycles is a pause of ~0.2 ms on some request's path)."""
+        extensions = self.cycle.scope.get("extensions")
+        if extensions is not None:
+            extensions.pop(PUSH_EXTENSION, None)
+
     def watch(self, lost: Callable[[], None] | None) -> bool:
         """``lost`` is called (once) when the client's connection is lost; None stops
         watching. False when the client is gone already (``lost`` is then not kept)."""

@@ -120,6 +120,20 @@ async def until_eof(reader: asyncio.StreamReader) -> None:
         pass
 
 
+def head_then_body(body: bytes, then: Handler | None = None) -> Handler:
+    """A replica answering with ``body`` (with its length): the head alone, the body 50 ms
+    later; then ``then`` serves the connection (default: nothing, until the gateway closes it)."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the head arrives alone
+        writer.write(body)
+        await writer.drain()
+        await (until_eof(reader) if then is None else then(reader, writer, index))
+    return serve
+
+
 async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
     while True:
         _, body = await read_request(reader)
@@ -322,16 +336,7 @@ async def test_answer_ending_in_the_read_that_pauses_it_leaves_a_reading_connect
     still get its answer."""
     body = b"y" * (PAUSE_BYTES + 1)
 
-    async def big_then_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
-        await writer.drain()
-        await asyncio.sleep(0.05)  # the head arrives alone
-        writer.write(body)
-        await writer.drain()
-        await echo(reader, writer, index)
-
-    async with fake_replica(big_then_echo) as replica, h1() as pool:
+    async with fake_replica(head_then_body(body, then=echo)) as replica, h1() as pool:
         response = await send(pool, replica.url, b"big")
         await eventually(lambda: response._ended)  # nothing read: the whole body is buffered
         assert await read_body(response) == body
@@ -783,16 +788,7 @@ async def test_push_after_the_end_delivers_everything_and_the_end_at_once() -> N
 async def test_pulled_body_buffer_stays_bounded_while_nothing_is_read() -> None:
     body = random.Random(13).randbytes(6 * 1024 * 1024)
 
-    async def firehose(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
-        await writer.drain()
-        await asyncio.sleep(0.05)  # the head arrives alone
-        writer.write(body)
-        await writer.drain()
-        await until_eof(reader)
-
-    async with fake_replica(firehose) as replica, h1() as pool:
+    async with fake_replica(head_then_body(body)) as replica, h1() as pool:
         response = await send(pool, replica.url, b"{}")
         seen: list[int] = []
         for _ in range(10):  # ~0.3 s reading nothing
@@ -1008,3 +1004,35 @@ async def test_a_sink_attached_after_the_write_in_the_same_callback_gets_the_who
         assert await asyncio.wait_for(head, WAIT_S) is response
         await asyncio.sleep(0.05)  # (the body came with the head)
         assert offered == [b"second"] and response.answered == b"second"
+
+
+@pytest.mark.parametrize(("size", "answered"), [(5_000, True), (3 * 1024 * 1024, False)])
+async def test_when_settled_is_told_once_at_the_end_or_when_the_body_outgrows_the_read_bound(
+        size: int, answered: bool) -> None:
+    """A head that came alone (the body 50 ms later): ``when_settled``'s callback runs once,
+    outside the connection's callback, when the answer ended (the sink took it whole), or,
+    for a body past ``PAUSE_BYTES``, when reading stopped for want of a reader (not ended:
+    a puller takes it from there, and gets all of it)."""
+    body = random.Random(size).randbytes(size)
+
+    offered: list[bytes] = []
+    settled: list[tuple[bool, bool]] = []
+
+    def offer(status: int, headers: HeadersLike, data: bytes) -> bool:
+        offered.append(data)
+        return True
+
+    async with fake_replica(head_then_body(body)) as replica, h1() as pool:
+        got = await asyncio.wait_for(pool.send(replica.url, "/v1/x", b"{}", [], offer), WAIT_S)
+        assert isinstance(got, H1Response) and not got.ended
+        response = got
+        response.when_settled(lambda: settled.append((response.ended, response.answered is not None)))
+        await eventually(lambda: bool(settled))
+        await asyncio.sleep(0.05)
+        assert settled == [(answered, answered)]
+        if answered:
+            assert offered == [body]
+        else:
+            assert offered == [] and not response.ended
+            response.keep()
+            assert await read_body(response) == body

@@ -9,6 +9,9 @@ every POST by its mode (``--mode``, or per request the ``x-raw-mode`` header):
 |---|---|
 | ``echo`` | the request's ``x-request-token`` back as ``id``, with the headers it received; a stream (``"stream": true``) as ``--events`` SSE events + usage + ``[DONE]``, chunked |
 | ``close`` | ``echo``'s body, close-delimited (no length, no chunking, ``connection: close``), written in pieces |
+| ``split`` | ``echo``'s answer (with its length), its head first and its body 5 ms later (two reads for the gateway) |
+| ``half_body`` | ``echo``'s head (with its length) and half its body, then nothing (until the client leaves) |
+| ``large_split`` | ``split`` with the body padded past 1 MiB, written in 64 KiB pieces |
 | ``poison`` | 500 for exactly ``POISON``'s bytes, else ``echo`` |
 | ``kill_stream`` | a stream's head and first event, then the connection is dropped mid-body |
 | ``hang`` | reads the request, never answers; counts the client leaving (``disconnects``) |
@@ -107,6 +110,19 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ar
     elif streaming:
         await _stream(reader, writer, token, args.events, mode)
         return mode in ("echo", "poison")
+    elif mode in ("split", "half_body", "large_split"):
+        pad = {"pad": "x" * (1_200_000 if mode == "large_split" else 0)}
+        data = json.dumps(_completion(token, headers, body) | pad).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data))
+        await writer.drain()
+        await asyncio.sleep(0.005)
+        if mode == "half_body":
+            writer.write(data[:len(data) // 2])
+            await _until_gone(reader)
+            return False
+        for at in range(0, len(data), 65536):
+            writer.write(data[at:at + 65536])
+            await writer.drain()
     elif mode == "close":
         data = json.dumps(_completion(token, headers, body) | {"pad": "x" * 200_000}).encode()
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n")
@@ -146,7 +162,8 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arg
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--mode", default="echo", choices=["echo", "close", "poison", "kill_stream", "hang", "head_only", "stall"])
+    parser.add_argument("--mode", default="echo", choices=["echo", "split", "half_body", "large_split", "close", "poison", "kill_stream", "hang",
+                                                    "head_only", "stall"])
     parser.add_argument("--hints", action="store_true")
     parser.add_argument("--events", type=int, default=3)
     args = parser.parse_args(argv)
