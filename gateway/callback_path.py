@@ -28,10 +28,13 @@ there:
   the proxy's answer sink, as on the task path, and its bookkeeping runs there too
   (``Proxy.answered``). With none, the request goes to its task leased and routed, and
   the task sends it (one parse, one decision a request).
+- A whole answer whose body comes after its head (uvicorn-served replicas, SGLang among
+  them, write the two apart, and the gateway often reads the head alone) stays here until
+  its end (``H1Response.when_settled``), and the sink writes it then.
 - Anything else hands the request to its task, with the attempt as it stands
-  (``Proxy.resume``): an answer that is not whole with its head (a body still coming), one
-  that fails the attempt (a 5xx, 429 or 503: retried or judged there), or a failure
-  before the head (a broken connection, the total timeout). From there it is the task
+  (``Proxy.resume``): an answer that fails the attempt (a 5xx, 429 or 503: retried or
+  judged there), a stream, a body past ``PAUSE_BYTES`` (only a puller reads on), or a
+  failure before the answer's end (a broken connection, the total timeout). From there it is the task
   path's request: failover, the retry budget, the client watch, the shutdown cut.
 - While on callbacks, a request keeps the bounds of the task path: the total timeout
   (``upstream.total_timeout_s``: the connection is closed and the task answers 504), the
