@@ -130,6 +130,8 @@ class H1Response:
         it on from there). For an answer whose head came before its body."""
         assert not self._ended
         self._settled = callback
+        if self._buffered > PAUSE_BYTES:  # reading stopped already (the head and the body came together)
+            self._settle()
 
     def _settle(self) -> None:
         callback, self._settled = self._settled, None

@@ -1036,3 +1036,25 @@ async def test_when_settled_is_told_once_at_the_end_or_when_the_body_outgrows_th
             assert offered == [] and not response.ended
             response.keep()
             assert await read_body(response) == body
+
+
+async def test_when_settled_after_the_read_bound_was_reached_is_told_at_once() -> None:
+    """The head and more than ``PAUSE_BYTES`` of body read before the callback is set
+    (reading has stopped already): it is told at once, not left waiting for reads that
+    will not come; a puller then gets the whole body."""
+    body = random.Random(7).randbytes(3 * 1024 * 1024)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(answer(body))  # head and body together
+        await writer.drain()
+        await until_eof(reader)
+
+    settled: list[bool] = []
+    async with fake_replica(serve) as replica, h1() as pool:
+        response = await send(pool, replica.url, b"{}")
+        await eventually(lambda: response._buffered > PAUSE_BYTES)
+        response.when_settled(lambda: settled.append(response.ended))
+        await eventually(lambda: bool(settled))
+        assert settled == [False]
+        assert await read_body(response) == body

@@ -11,7 +11,7 @@ every POST by its mode (``--mode``, or per request the ``x-raw-mode`` header):
 | ``close`` | ``echo``'s body, close-delimited (no length, no chunking, ``connection: close``), written in pieces |
 | ``split`` | ``echo``'s answer (with its length), its head first and its body 5 ms later (two reads for the gateway) |
 | ``half_body`` | ``echo``'s head (with its length) and half its body, then nothing (until the client leaves) |
-| ``large_split`` | ``split`` with the body padded past 1 MiB, written in 64 KiB pieces |
+| ``large_split`` | ``split`` with the body padded to ~3 MB (past 1 MiB plus one read), written in 64 KiB pieces |
 | ``poison`` | 500 for exactly ``POISON``'s bytes, else ``echo`` |
 | ``kill_stream`` | a stream's head and first event, then the connection is dropped mid-body |
 | ``hang`` | reads the request, never answers; counts the client leaving (``disconnects``) |
@@ -111,7 +111,7 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ar
         await _stream(reader, writer, token, args.events, mode)
         return mode in ("echo", "poison")
     elif mode in ("split", "half_body", "large_split"):
-        pad = {"pad": "x" * (1_200_000 if mode == "large_split" else 0)}
+        pad = {"pad": "x" * (3_000_000 if mode == "large_split" else 0)}
         data = json.dumps(_completion(token, headers, body) | pad).encode()
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data))
         await writer.drain()
