@@ -348,12 +348,13 @@ class EdgeProtocol(HttpToolsProtocol):
             self.took = True
 
     def on_response_complete(self) -> None:
-        writers = self.writers
-        self.writers = [w for w in writers if not w.cycle.response_complete]
-        if len(self.writers) < len(writers):
-            for writer in writers:
-                if writer.cycle.response_complete:
-                    writer.detach()
+        kept = []
+        for writer in self.writers:
+            if writer.cycle.response_complete:
+                writer.detach()  # (its scope, cycle and writer then go by reference counting)
+            else:
+                kept.append(writer)
+        self.writers = kept
         pipelined = bool(self.pipeline)
         super().on_response_complete()  # arms uvicorn's keep-alive timer when nothing is queued
         if not pipelined and not self.transport.is_closing():

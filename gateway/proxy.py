@@ -286,8 +286,8 @@ class Proxy:
         return attempt, head
 
     def begun_failure(self, attempt: Attempt, exc: BaseException, timed_out: bool) -> Failure:
-        """The failure of a begun attempt whose head did not come (``timed_out``: its total
-        timeout closed it)."""
+        """The failure of a begun attempt whose answer did not come whole: ``exc`` broke it,
+        or (``timed_out``) its total timeout closed it."""
         replica = attempt.decision.replica
         return self._timeout("total_timeout", replica) if timed_out else self._failure(exc, "total_timeout", replica)
 

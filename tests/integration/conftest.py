@@ -6,6 +6,7 @@ functions so tests can start extra gateways with other flags.
 """
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,17 @@ class Gateway:
         """Nothing logged as an error, no traceback."""
         log = self.proc.output()
         assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+    def metrics(self) -> str:
+        """The gateway's ``/metrics`` text (loopback: no proxy)."""
+        r = httpx.get(self.url + "/metrics", timeout=10.0, trust_env=False)
+        r.raise_for_status()
+        return r.text
+
+    def callback_outcomes(self) -> dict[str, float]:
+        """``kvgate_callback_path_requests_total`` by outcome: how requests left the callbacks path."""
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'kvgate_callback_path_requests_total\{outcome="(\w+)"\} (\S+)', self.metrics())}
 
     def replicas(self) -> dict[str, dict[str, Any]]:
         r = self.admin("GET", "/replicas")

@@ -26,15 +26,8 @@ TOTAL_TIMEOUT_S = 2.0
 CHAT = "/v1/chat/completions"
 
 
-def _outcomes(gw: Gateway) -> dict[str, float]:
-    text = httpx.get(gw.url + "/metrics", timeout=5.0).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'kvgate_callback_path_requests_total\{outcome="(\w+)"\} (\S+)', text)}
-
-
 def _count(gw: Gateway, status: int) -> float:
-    text = httpx.get(gw.url + "/metrics", timeout=5.0).text
-    found = re.search(rf'kvgate_requests_total\{{endpoint="chat",status="{status}"\}} (\S+)', text)
+    found = re.search(rf'kvgate_requests_total\{{endpoint="chat",status="{status}"\}} (\S+)', gw.metrics())
     return float(found.group(1)) if found else 0.0
 
 
@@ -56,7 +49,7 @@ def _warm(gw: Gateway, client: httpx.Client) -> dict[str, float]:
     """A request leaves an idle upstream connection behind (the next can go on callbacks);
     the path's counts after it."""
     assert _post(client, gw).status_code == 200
-    return _outcomes(gw)
+    return gw.callback_outcomes()
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +68,7 @@ def test_small_whole_answers_are_answered_on_callbacks_each_to_its_own_request(
             r = _post(client, gw)
             assert r.status_code == 200
             assert r.headers["x-kvgate-replica"] and r.headers["x-kvgate-route-reason"]
-    assert _outcomes(gw)["answered"] - before["answered"] == 10
+    assert gw.callback_outcomes()["answered"] - before["answered"] == 10
     gw.assert_quiet()
 
 
@@ -95,7 +88,7 @@ def test_streams_large_bodies_and_expect_continue_go_the_task_path(setup: tuple[
         assert sock.recv(4096).startswith(b"HTTP/1.1 100 ")  # asked for, before the body is sent
         sock.sendall(body)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
-    assert _outcomes(gw) == before  # none of the three was taken
+    assert gw.callback_outcomes() == before  # none of the three was taken
 
 
 @pytest.mark.parametrize("mode", ["split", "close"])
@@ -110,7 +103,7 @@ def test_a_whole_answer_whose_body_comes_after_its_head_is_answered_on_callbacks
         r = client.post(gw.url + CHAT, content=_body(), headers={
             "content-type": "application/json", "x-raw-mode": mode, "x-request-token": token})
     assert r.status_code == 200 and r.json()["id"] == token
-    after = _outcomes(gw)
+    after = gw.callback_outcomes()
     assert after["answered"] - before["answered"] == 1
     assert after["handed_over"] == before["handed_over"]
     gw.assert_quiet()
@@ -127,7 +120,7 @@ def test_an_answer_past_the_read_bound_is_handed_to_the_task_whole(setup: tuple[
         r = client.post(gw.url + CHAT, content=_body(), headers={
             "content-type": "application/json", "x-raw-mode": "large_split", "x-request-token": token})
     assert r.status_code == 200 and r.json()["id"] == token and len(r.json()["pad"]) == 3_000_000
-    assert _outcomes(gw)["handed_over"] - before["handed_over"] == 1
+    assert gw.callback_outcomes()["handed_over"] - before["handed_over"] == 1
     gw.assert_quiet()
 
 
@@ -141,7 +134,7 @@ def test_a_failing_answer_is_judged_by_the_task_path(setup: tuple[RawFleet, Gate
         r = client.post(gw.url + CHAT, content=POISON,
                         headers={"content-type": "application/json", "x-raw-mode": "poison"})
     assert r.status_code == 500
-    assert _outcomes(gw)["handed_over"] - before["handed_over"] == 1
+    assert gw.callback_outcomes()["handed_over"] - before["handed_over"] == 1
 
 
 @pytest.mark.parametrize("mode", ["hang", "half_body"])
@@ -151,13 +144,13 @@ def test_no_whole_answer_within_the_total_timeout_is_504_and_closed_upstream(
     fleet, gw = setup
     with httpx.Client(timeout=10.0) as client:
         _warm(gw, client)
-        before, gone = _outcomes(gw), fleet.stats(0)["disconnects"]
+        before, gone = gw.callback_outcomes(), fleet.stats(0)["disconnects"]
         started = time.monotonic()
         r = _post(client, gw, mode)
         waited = time.monotonic() - started
     assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
     assert waited >= TOTAL_TIMEOUT_S * 0.9
-    assert _outcomes(gw)["handed_over"] - before["handed_over"] == 1
+    assert gw.callback_outcomes()["handed_over"] - before["handed_over"] == 1
     wait_until(lambda: fleet.stats(0)["disconnects"] - gone == 1, 10.0, "the replica sees the request closed")
     wait_until(lambda: all(v["in_flight"] == 0 for v in gw.replicas().values()), 10.0, "the load released")
 
@@ -169,7 +162,7 @@ def test_a_client_that_leaves_closes_the_upstream_request_and_counts_499(
     fleet, gw = setup
     with httpx.Client(timeout=10.0) as client:
         _warm(gw, client)
-    before, gone, counted = _outcomes(gw), fleet.stats(0)["disconnects"], _count(gw, 499)
+    before, gone, counted = gw.callback_outcomes(), fleet.stats(0)["disconnects"], _count(gw, 499)
 
     async def leave() -> None:
         async with httpx.AsyncClient(timeout=10.0) as client:
@@ -181,7 +174,7 @@ def test_a_client_that_leaves_closes_the_upstream_request_and_counts_499(
     asyncio.run(leave())
     wait_until(lambda: fleet.stats(0)["disconnects"] - gone == 1, 10.0, "the replica sees the client leave")
     wait_until(lambda: _count(gw, 499) - counted == 1, 10.0, "the 499 counted")
-    assert _outcomes(gw)["client_left"] - before["client_left"] == 1
+    assert gw.callback_outcomes()["client_left"] - before["client_left"] == 1
     wait_until(lambda: all(v["in_flight"] == 0 for v in gw.replicas().values()), 10.0, "the load released")
     gw.assert_quiet()
 
@@ -196,7 +189,7 @@ def test_pipelined_requests_get_their_own_answers_in_order(setup: tuple[RawFleet
         return (b"POST %s HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\nx-request-token: %s\r\n"
                 b"content-length: %d\r\n\r\n%s" % (CHAT.encode(), token.encode(), len(body), body))
 
-    before = _outcomes(gw)
+    before = gw.callback_outcomes()
     with socket.create_connection((host, int(port)), timeout=10.0) as sock:
         sock.sendall(request(tokens[0]))  # answered alone first: its upstream connection is then idle
         data = b""
@@ -209,13 +202,13 @@ def test_pipelined_requests_get_their_own_answers_in_order(setup: tuple[RawFleet
             data += chunk
     ids = [json.loads(part[part.index(b"{"):])["id"] for part in data.split(b"HTTP/1.1 ")[1:]]
     assert ids == tokens
-    assert _outcomes(gw)["answered"] > before["answered"]
+    assert gw.callback_outcomes()["answered"] > before["answered"]
 
 
 def _collected(gw: Gateway) -> float:
     """Objects the gateway's garbage collector found unreachable so far (every generation)."""
-    text = httpx.get(gw.url + "/metrics", timeout=5.0).text
-    return sum(float(v) for v in re.findall(r'python_gc_objects_collected_total\{generation="\d"\} (\S+)', text))
+    return sum(float(v) for v in re.findall(r'python_gc_objects_collected_total\{generation="\d"\} (\S+)',
+                                           gw.metrics()))
 
 
 def test_requests_leave_no_cyclic_garbage(setup: tuple[RawFleet, Gateway]) -> None:
@@ -227,14 +220,14 @@ def test_requests_leave_no_cyclic_garbage(setup: tuple[RawFleet, Gateway]) -> No
     _, gw = setup
     with httpx.Client(timeout=10.0) as client:
         _warm(gw, client)
-        before, taken = _collected(gw), _outcomes(gw)
+        before, taken = _collected(gw), gw.callback_outcomes()
         for i in range(600):
             assert _post(client, gw, ("echo", "split")[i % 2]).status_code == 200
         with client.stream("POST", gw.url + CHAT, content=_body(stream=True),
                            headers={"content-type": "application/json"}) as r:  # (and the task path)
             assert r.status_code == 200 and b"[DONE]" in r.read()
         found = _collected(gw) - before
-    assert _outcomes(gw)["answered"] - taken["answered"] == 600
+    assert gw.callback_outcomes()["answered"] - taken["answered"] == 600
     assert found < 600, f"{found:.0f} objects of cycles left by 600 requests"
 
 
@@ -243,7 +236,7 @@ def test_the_switch_turns_it_off(tmp_path: Path) -> None:
             httpx.Client(timeout=10.0) as client:
         for _ in range(5):
             assert _post(client, gw).status_code == 200
-        assert sum(_outcomes(gw).values()) == 0
+        assert sum(gw.callback_outcomes().values()) == 0
 
 
 def test_a_request_on_callbacks_at_the_end_of_the_shutdown_grace_gets_503(tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ Output text is random (random weights): only status codes, counts and routing ar
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import threading
 import time
@@ -214,13 +213,6 @@ def test_sigterm_of_a_real_server_behind_the_gateway_loses_nothing(
         gw.proc.stop()
 
 
-def _callback_outcomes(gw: Gateway) -> dict[str, float]:
-    with client(gw.url) as c:
-        text = c.get("/metrics").text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'kvgate_callback_path_requests_total\{outcome="(\w+)"\} (\S+)', text)}
-
-
 def test_whole_answers_of_a_real_server_are_answered_on_callbacks(real_urls: list[str], tmp_path: Path) -> None:
     """A real server (uvicorn) writes a whole answer's head and its body apart, so the
     gateway often reads the head alone: the answer still goes to the client from the
@@ -232,7 +224,7 @@ def test_whole_answers_of_a_real_server_are_answered_on_callbacks(real_urls: lis
                 r = c.post("/v1/chat/completions", json={
                     "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": f"answer {i}"}]})
                 assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
-        seen = _callback_outcomes(gw)
+        seen = gw.callback_outcomes()
     finally:
         gw.proc.stop()
     assert seen["handed_over"] == 0, seen
