@@ -633,11 +633,17 @@ def _wire(method: bytes, path: str, host: bytes, length: int | None, headers: li
     parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
     if length is not None:
         parts.append(b"content-length: %d\r\n" % length)
+    names: list[bytes] = []
+    values: list[bytes] = []
     for name, value in headers:
         if name.lower() in FRAMING:
             continue
-        if not name or _BAD_NAME(name) or _BAD(value):
-            raise Disconnected(f"cannot send header {name!r}")
+        names.append(name)
+        values.append(value)
         parts += (name, b": ", value, b"\r\n")
+    # every name and value checked in two searches (joining adds no byte a search looks for)
+    if not all(names) or _BAD_NAME(b"".join(names)) or _BAD(b"".join(values)):
+        bad = next(n for n, v in zip(names, values, strict=True) if not n or _BAD_NAME(n) or _BAD(v))
+        raise Disconnected(f"cannot send header {bad!r}")
     parts.append(b"\r\n")
     return b"".join(parts)

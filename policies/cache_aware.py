@@ -73,26 +73,27 @@ docs/results-precise.md.
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from policies.base import RequestContext, RoutingInputs
+from policies.base import Decision, NoRoutableReplica, RequestContext, RoutingInputs
 from policies.config import parse_params, parse_weights
-from policies.filters import is_new_session, standard_filters
+from policies.filters import is_new_session, standard_candidates, standard_filters
 from policies.framework import Explanation, Pipeline
 from policies.pickers import MaxScorePicker
 from policies.placement import is_new_conversation
 from policies.ttft_cost import (
     CacheAwareParams,
+    Costs,
     EstimateArrays,
-    TtftEstimate,
+    candidate_costs,
     estimate_arrays,
-    estimates,
     home_replica,
-    request_terms,
     resident_fraction,
     resident_fractions,
     score_floor_s,
@@ -104,14 +105,14 @@ NAME = "cache-aware"
 DEFAULT_WEIGHTS = {"ttft": 1.0, "new-session": 0.15}
 
 
-Known = EstimateArrays | dict[ReplicaId, TtftEstimate]  # the array path's, or the dict path's
+Known = EstimateArrays | Costs  # the array path's, or the scalar pass's
 
 
 class EstimateMemo:
     """The estimates of the decision in progress, from the scorer to the explainer.
 
-    The cost model is evaluated once per candidate per decision (in a large fleet over
-    every candidate at once, `ttft_cost.estimate_arrays`): `TtftScorer` stores its estimates here and
+    The cost model is evaluated once per candidate per decision (`ttft_cost.candidate_costs`,
+    or in a large fleet `ttft_cost.estimate_arrays`): `TtftScorer` stores its estimates here and
     `CacheAwareExplainer` takes them back when it is called for the same decision (the
     very same ``ctx``, ``inputs`` and ``candidates`` objects, which the pipeline passes to
     both, synchronously). Both are pure functions of those arguments, so reusing the
@@ -139,6 +140,19 @@ class EstimateMemo:
         return values
 
 
+def ttft_scores(ctx: RequestContext, costs: Costs, floor: float) -> list[float]:
+    """`TtftScorer`'s scores, aligned with ``costs.replicas``: (best + floor) / (cost + floor).
+
+    One-shot requests (no session key): the prefill every candidate pays is no choice, so
+    ties are judged on the rest."""
+    totals = costs.total_s
+    if not ctx.session.session and totals:
+        common = min(costs.prefill_s)
+        totals = [total - common for total in totals]
+    best = min(totals, default=0.0)
+    return [1.0 if cost <= best else (best + floor) / (cost + floor) for cost in totals]
+
+
 class TtftScorer:
     """Score = (best + floor) / (cost + floor): 1.0 for the lowest estimated TTFT.
 
@@ -149,23 +163,15 @@ class TtftScorer:
     def __init__(self, params: CacheAwareParams, memo: EstimateMemo | None = None) -> None:
         self.params = params
         self.memo = memo
+        self.floor = score_floor_s(params)
 
     def score(
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> dict[ReplicaId, float]:
-        home = home_replica(inputs, candidates)
-        estimates_ = estimates(ctx, inputs, candidates, home, self.params)
+        costs = candidate_costs(ctx, inputs, candidates, home_replica(inputs, candidates), self.params)
         if self.memo is not None:
-            self.memo.put(ctx, inputs, candidates, {e.replica: e for e in estimates_})
-        # one-shot requests: the prefill every candidate pays is no choice, judge ties on the rest
-        common = 0.0 if ctx.session.session else min((e.prefill_s for e in estimates_), default=0.0)
-        costs = {e.replica: e.total_s - common for e in estimates_}
-        best = min(costs.values(), default=0.0)
-        floor = score_floor_s(self.params)
-        return {
-            rid: 1.0 if cost <= best else (best + floor) / (cost + floor)
-            for rid, cost in costs.items()
-        }
+            self.memo.put(ctx, inputs, candidates, costs)
+        return dict(zip(costs.replicas, ttft_scores(ctx, costs, self.floor), strict=True))
 
     def score_array(
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
@@ -179,10 +185,18 @@ class TtftScorer:
         common = 0.0 if ctx.session.session else float(est.prefill_s.min())
         costs = est.total_s - common
         best = float(costs.min())
-        floor = score_floor_s(self.params)
+        floor = self.floor
         with np.errstate(divide="ignore", invalid="ignore"):
             out: npt.NDArray[np.float64] = np.where(costs <= best, 1.0, (best + floor) / (costs + floor))
         return out
+
+
+def new_session_score(inputs: RoutingInputs, view: ReplicaView, p: CacheAwareParams) -> float:
+    """`NewSessionScorer`'s score of ``view`` for a new session: 1.0 for a NEW replica, else
+    0.5 x the share of its KV capacity not held by resident sessions."""
+    if inputs.now_s - view.added_at_s <= p.new_replica_window_s:
+        return 1.0
+    return 0.5 * (1.0 - resident_fraction(inputs, view, cap=1.0))
 
 
 class NewSessionScorer:
@@ -198,13 +212,7 @@ class NewSessionScorer:
     ) -> dict[ReplicaId, float]:
         if not is_new_session(inputs):
             return {c.id: 0.0 for c in candidates}
-        out: dict[ReplicaId, float] = {}
-        for c in candidates:
-            if inputs.now_s - c.added_at_s <= self.params.new_replica_window_s:
-                out[c.id] = 1.0
-                continue
-            out[c.id] = 0.5 * (1.0 - resident_fraction(inputs, c, cap=1.0))
-        return out
+        return {c.id: new_session_score(inputs, c, self.params) for c in candidates}
 
     def score_array(
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
@@ -216,6 +224,47 @@ class NewSessionScorer:
         fresh = inputs.now_s - added <= self.params.new_replica_window_s
         out: npt.NDArray[np.float64] = np.where(fresh, 1.0, 0.5 * (1.0 - resident_fractions(inputs, candidates, 1.0)))
         return out
+
+
+def explanation(
+    ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView], chosen: ReplicaId,
+    known: Known,
+) -> tuple[str, int, int]:
+    """`CacheAwareExplainer`'s answer (reason, cached tokens, uncached tokens), from the
+    decision's estimates (``known``, evaluated for the candidates and their home)."""
+    i = known.replicas.index(chosen)
+    cached, uncached = int(known.cached_tokens[i]), int(known.uncached_tokens[i])
+    if isinstance(known, EstimateArrays):
+        best_cached = int(known.cached_tokens.max())
+    else:
+        best_cached = max(known.cached_tokens)
+    holds_best = cached > 0 and cached >= best_cached  # cached tokens ignore home
+    return _reason(ctx, inputs, candidates, chosen, known.terms.home, known.terms.home_lost, holds_best), cached, uncached
+
+
+def _reason(
+    ctx: RequestContext,
+    inputs: RoutingInputs,
+    candidates: Sequence[ReplicaView],
+    chosen: ReplicaId,
+    home: ReplicaId | None,
+    home_lost: bool,
+    holds_best: bool,
+) -> str:
+    if len(candidates) == 1:
+        return "only-one"
+    if home is not None:
+        if chosen == home:
+            return "affinity"
+        return "rehomed" if home_lost else "moved"
+    parent = inputs.parent_session
+    if inputs.session is None and parent is not None and parent.replica == chosen:
+        return "parent"
+    if holds_best:
+        return "prefix"
+    if is_new_session(inputs):
+        return "new-session"
+    return "spread" if is_new_conversation(ctx, inputs) else "balance"
 
 
 class CacheAwareExplainer:
@@ -240,57 +289,74 @@ class CacheAwareExplainer:
         candidates: Sequence[ReplicaView],
         chosen: ReplicaId,
     ) -> Explanation:
-        home = home_replica(inputs, candidates)
         known = self.memo.take(ctx, inputs, candidates) if self.memo is not None else None
         if known is None:  # not the scorer's decision: evaluate the model here (once per replica)
-            known = {e.replica: e for e in estimates(ctx, inputs, candidates, home, self.params)}
-        if isinstance(known, EstimateArrays):
-            i = known.replicas.index(chosen)
-            cached, uncached = int(known.cached_tokens[i]), int(known.uncached_tokens[i])
-            best_cached = int(known.cached_tokens.max())
-        else:
-            cached, uncached = known[chosen].cached_tokens, known[chosen].uncached_tokens
-            best_cached = max(e.cached_tokens for e in known.values())
-        holds_best = cached > 0 and cached >= best_cached  # cached tokens ignore home
-        return Explanation(self._reason(ctx, inputs, candidates, chosen, home, holds_best), cached, uncached)
+            known = candidate_costs(ctx, inputs, candidates, home_replica(inputs, candidates), self.params)
+        return Explanation(*explanation(ctx, inputs, candidates, chosen, known))
 
-    def _reason(
-        self,
-        ctx: RequestContext,
-        inputs: RoutingInputs,
-        candidates: Sequence[ReplicaView],
-        chosen: ReplicaId,
-        home: ReplicaId | None,
-        holds_best: bool,
-    ) -> str:
-        if len(candidates) == 1:
-            return "only-one"
-        if home is not None:
-            if chosen == home:
-                return "affinity"
-            return "rehomed" if request_terms(ctx, inputs, home, self.params).home_lost else "moved"
-        parent = inputs.parent_session
-        if inputs.session is None and parent is not None and parent.replica == chosen:
-            return "parent"
-        if holds_best:
-            return "prefix"
-        if is_new_session(inputs):
-            return "new-session"
-        return "spread" if is_new_conversation(ctx, inputs) else "balance"
+
+class CacheAwarePipeline(Pipeline):
+    """The `cache-aware` pipeline (the plugins above), deciding over fewer than
+    ``array_min`` replicas in one pass.
+
+    In a large fleet the framework runs the plugins over arrays. Below that, `decide`
+    does what the framework's dict path would do with the same plugins, without the
+    plugin calls between: the filters, one `candidate_costs` pass, the TTFT and
+    new-session scores combined as the framework combines them (the same float
+    operations, in the same order), the picker, the explanation; so its decisions are
+    the framework's, bit for bit (`tests/policies/test_cost_equivalence.py`, against the
+    array path and the frozen legacy model). It is timed as one step,
+    ``one-pass/cache-aware``. A decision over a few replicas costs a quarter of the plugin
+    path's (docs/profile.md, "The one-pass decision").
+    """
+
+    def __init__(self, p: CacheAwareParams, weights: Mapping[str, float], seed: int | None) -> None:
+        memo = EstimateMemo()
+        super().__init__(
+            NAME,
+            filters=standard_filters(),
+            scorers=[(TtftScorer(p, memo), weights["ttft"]), (NewSessionScorer(p), weights["new-session"])],
+            picker=MaxScorePicker(tolerance=p.tie_tolerance, random_ties=True),
+            explainer=CacheAwareExplainer(p, memo),
+            seed=seed,
+            resident_window_s=p.resident_window_s,
+        )
+        self.params = p
+        self._ttft_weight, self._new_weight = weights["ttft"], weights["new-session"]
+        self._floor = score_floor_s(p)
+
+    def decide(self, ctx: RequestContext, inputs: RoutingInputs, rng: random.Random) -> Decision:
+        if self.array_min is not None and len(inputs.replicas) >= self.array_min:
+            return super().decide(ctx, inputs, rng)
+        start = time.perf_counter()
+        new = is_new_session(inputs)
+        candidates = standard_candidates(inputs.replicas, new)  # what self.filters give
+        if not candidates:
+            raise NoRoutableReplica(f"no routable replica among {len(inputs.replicas)}")
+        p = self.params
+        costs = candidate_costs(ctx, inputs, candidates, home_replica(inputs, candidates), p)
+        ttft = ttft_scores(ctx, costs, self._floor)
+        w_ttft, w_new, total_weight = self._ttft_weight, self._new_weight, self._total_weight
+        new = new and w_new != 0  # else the new-session scorer adds 0 everywhere
+        scores: dict[ReplicaId, float] = {}
+        for c, score in zip(candidates, ttft, strict=True):
+            combined = 0.0
+            if w_ttft != 0:
+                combined += w_ttft * min(max(score, 0.0), 1.0)
+            if new:
+                combined += w_new * min(max(new_session_score(inputs, c, p), 0.0), 1.0)
+            scores[c.id] = combined / total_weight
+        if len(scores) != len(candidates):  # a replica listed twice: the framework's rules for that
+            return super().decide(ctx, inputs, rng)
+        chosen = self.picker.pick(scores, rng)
+        reason, cached, uncached = explanation(ctx, inputs, candidates, chosen, costs)
+        self._timings.lap("one-pass/cache-aware", start)
+        return Decision(replica=chosen, reason=reason, policy=NAME, predicted_cached_tokens=cached,
+                        predicted_uncached_tokens=uncached, scores=scores)
 
 
 def build(params: Mapping[str, Any] | None, seed: int | None) -> Pipeline:
     p = parse_params(CacheAwareParams, params, NAME)
     if p.prefill_tokens_per_s <= 0 or p.host_load_tokens_per_s <= 0:
         raise ValueError(f"policy {NAME!r}: throughputs must be > 0")
-    weights = parse_weights(params, DEFAULT_WEIGHTS, NAME)
-    memo = EstimateMemo()
-    return Pipeline(
-        NAME,
-        filters=standard_filters(),
-        scorers=[(TtftScorer(p, memo), weights["ttft"]), (NewSessionScorer(p), weights["new-session"])],
-        picker=MaxScorePicker(tolerance=p.tie_tolerance, random_ties=True),
-        explainer=CacheAwareExplainer(p, memo),
-        seed=seed,
-        resident_window_s=p.resident_window_s,
-    )
+    return CacheAwarePipeline(p, parse_weights(params, DEFAULT_WEIGHTS, NAME), seed)

@@ -49,12 +49,13 @@ decode steps longer than on an idle one (a 48k-token first turn: 6 steps, ~0.09 
 per running request. Defaults: SGLang's ``chunked_prefill_size`` 8192 for large GPUs
 and a decode step of ~15 ms at low batch (the default profile's base step).
 
-Two implementations of one formula: `estimate` (one replica, plain Python: the
-reference, and the path of small fleets) and `estimate_arrays` (every candidate at once
-over numpy arrays, for large fleets: `policies.framework`'s array path), equal bit for
-bit (`tests/policies/test_cost_arrays.py`, `test_cost_equivalence.py`). A change to a
-term goes into both.
+Two implementations of one formula: `candidate_costs` (plain Python, one pass over the
+candidates: the decision's path in fleets below `policies.framework.ARRAY_MIN_CANDIDATES`)
+and `estimate_arrays` (every candidate at once over numpy arrays, term by term, for large
+fleets and for `estimate`'s breakdown), equal bit for bit (`tests/policies/test_cost_arrays.py`,
+`test_cost_equivalence.py`). A change to a term goes into both.
 """
+# ruff: noqa: FURB136  (`candidate_costs` spells min/max as conditional expressions: no call each)
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ import numpy as np
 import numpy.typing as npt
 
 from policies.base import RequestContext, RoutingInputs
-from policies.placement import spread_mean, spread_term_s
+from policies.placement import spread_mean
 from policies.routing import is_exact
 from prefix_index.base import PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
@@ -164,35 +165,6 @@ def _parent_tokens(
     return shared // ctx.block_tokens * ctx.block_tokens
 
 
-def _interference_s(view: ReplicaView, uncached: int, p: CacheAwareParams) -> float:
-    running = max(view.decoding, view.reported_running)
-    cost = p.decode_weight_s * running
-    if running > 0 and uncached > 0 and p.prefill_chunk_tokens > 0:
-        cost += -(-uncached // p.prefill_chunk_tokens) * p.decode_step_s
-    slots = view.max_running_requests
-    busy = max(view.in_flight, view.reported_running + view.reported_waiting)
-    if slots > 0 and busy >= slots:
-        cost += p.saturation_penalty_s * (busy - slots + 1)
-    return cost
-
-
-def _eviction_s(
-    ctx: RequestContext, inputs: RoutingInputs, view: ReplicaView, terms: RequestTerms,
-    p: CacheAwareParams,
-) -> float:
-    capacity = view.device_tokens + view.host_tokens
-    if capacity <= 0:
-        return 0.0
-    own = 0
-    if inputs.session is not None and inputs.session.replica == view.id:
-        # a lost home holds only what its events say, not the session's last turn
-        own = terms.home_cached if terms.home_lost else inputs.session.tokens
-    before = inputs.resident_tokens.get(view.id, 0)
-    need = max(before - own, 0) + ctx.est_prompt_tokens + (ctx.max_tokens or 0)
-    overflow = max(max(need - capacity, 0) - max(before - capacity, 0), 0)
-    return overflow / p.prefill_tokens_per_s * p.eviction_weight
-
-
 def resident_fraction(inputs: RoutingInputs, view: ReplicaView, cap: float = 1.5) -> float:
     """The replica's resident working set over its KV capacity (device + host), in [0, cap]."""
     capacity = view.device_tokens + view.host_tokens
@@ -201,32 +173,13 @@ def resident_fraction(inputs: RoutingInputs, view: ReplicaView, cap: float = 1.5
     return min(max(inputs.resident_tokens.get(view.id, 0) / capacity, 0.0), cap)
 
 
-def _externality_s(
-    uncached: int, inputs: RoutingInputs, view: ReplicaView, p: CacheAwareParams
-) -> float:
-    prefill_s = uncached / p.prefill_tokens_per_s
-    crowd = resident_fraction(inputs, view)
-    return prefill_s * (p.queue_externality + p.crowd_weight * crowd * prefill_s)
-
-
 def _cached_tokens(ctx: RequestContext, inputs: RoutingInputs, replica: ReplicaId) -> int:
     match = inputs.matches.get(replica, _NO_MATCH)
     cached = (match.device_blocks + match.host_blocks) * ctx.block_tokens
     return min(cached, max(ctx.est_prompt_tokens, 0))
 
 
-def _affinity_s(
-    ctx: RequestContext, inputs: RoutingInputs, view: ReplicaView, terms: RequestTerms,
-    p: CacheAwareParams,
-) -> float:
-    if terms.home is None or view.id == terms.home:
-        return 0.0
-    abandoned = terms.home_cached - _cached_tokens(ctx, inputs, view.id)
-    margin = 0.0 if terms.home_lost else p.move_margin_s
-    return margin + p.abandon_weight * max(abandoned, 0) / p.prefill_tokens_per_s
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built once a decision, on the path (a frozen one costs ~3x)
 class RequestTerms:
     """What every candidate's estimate shares, computed once per decision (`request_terms`),
     so a decision evaluates the model once per replica: O(N), not O(N^2) (the longest
@@ -267,47 +220,110 @@ def request_terms(
     )
 
 
-def estimates(
+@dataclass(slots=True, eq=False)
+class Costs:
+    """`candidate_costs`' answer: per candidate, lists aligned with ``replicas``."""
+
+    replicas: list[ReplicaId]
+    terms: RequestTerms
+    cached_tokens: list[int]
+    uncached_tokens: list[int]
+    prefill_s: list[float]
+    total_s: list[float]
+
+
+def candidate_costs(
     ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView],
     home: ReplicaId | None, p: CacheAwareParams,
-) -> list[TtftEstimate]:
-    """`estimate` for every candidate, sharing the request's terms (one pass; for many
-    candidates `estimate_arrays` computes the same values over arrays)."""
-    terms = request_terms(ctx, inputs, home, p)
-    return [estimate(ctx, inputs, c, home, p, terms) for c in candidates]
+) -> Costs:
+    """The estimated TTFT of every candidate (the formula above), in one pass of plain
+    arithmetic over the views' fields: no call or object per term, so a decision over a
+    few replicas costs a few microseconds. Each term is the same IEEE operations as in
+    `estimate_arrays`, summed in the same order (prefill, queue, interference, eviction,
+    affinity, externality, placement), so the two are equal bit for bit
+    (`tests/policies/test_cost_arrays.py`); `estimate` gives one replica's terms."""
+    t = request_terms(ctx, inputs, home, p)
+    prompt, bt = max(ctx.est_prompt_tokens, 0), ctx.block_tokens
+    pf, hl = p.prefill_tokens_per_s, p.host_load_tokens_per_s
+    chunk, step, decode_w = p.prefill_chunk_tokens, p.decode_step_s, p.decode_weight_s
+    matches, resident, session, parent = inputs.matches, inputs.resident_tokens, inputs.session, inputs.parent_session
+    # the eviction term: on the session's replica its previous turn is already resident
+    # (a lost home holds only what its events say)
+    own_replica = session.replica if session is not None else None
+    own_tokens = (t.home_cached if t.home_lost else session.tokens) if session is not None else 0
+    extra = ctx.est_prompt_tokens + (ctx.max_tokens or 0)
+    margin = 0.0 if t.home_lost else p.move_margin_s
+    mean = t.spread_mean
+    ids: list[ReplicaId] = []
+    cached_l: list[int] = []
+    uncached_l: list[int] = []
+    prefill_l: list[float] = []
+    total_l: list[float] = []
+    # ``b if b > a else a`` is ``max(a, b)`` and ``b if b < a else a`` is ``min(a, b)``
+    # (the builtins' very results, -0.0 and NaN included), without a call each
+    for v in candidates:
+        rid = v.id
+        m = matches.get(rid, _NO_MATCH)
+        device = m.device_blocks * bt
+        device = prompt if prompt < device else device
+        host = m.host_blocks * bt
+        host = prompt - device if prompt - device < host else host
+        if device + host == 0 and parent is not None and parent.replica == rid:
+            device = _parent_tokens(ctx, inputs, rid, p, t.any_match)
+            device = prompt if prompt < device else device
+        uncached = prompt - device - host
+        uncached_s = uncached / pf
+        prefill = uncached_s + host / hl
+        queue = v.prefill_ahead(uncached) / pf  # admission-aware (replicas.admission)
+        running = v.reported_running if v.reported_running > v.decoding else v.decoding
+        interference = decode_w * running
+        if running > 0 and uncached > 0 and chunk > 0:
+            interference += -(-uncached // chunk) * step
+        slots = v.max_running_requests
+        busy = v.reported_running + v.reported_waiting
+        busy = busy if busy > v.in_flight else v.in_flight
+        if slots > 0 and busy >= slots:
+            interference += p.saturation_penalty_s * (busy - slots + 1)
+        capacity = v.device_tokens + v.host_tokens
+        before = resident.get(rid, 0)
+        if capacity > 0:
+            need = before - (own_tokens if rid == own_replica else 0)
+            need = (need if need > 0 else 0) + extra
+            over_after, over_before = need - capacity, before - capacity
+            overflow = (over_after if over_after > 0 else 0) - (over_before if over_before > 0 else 0)
+            eviction = (overflow if overflow > 0 else 0) / pf * p.eviction_weight
+            crowd = before / capacity
+            crowd = 0.0 if 0.0 > crowd else crowd
+            crowd = 1.5 if 1.5 < crowd else crowd
+        else:
+            eviction = crowd = 0.0
+        if t.home is None or rid == t.home:
+            affinity = 0.0
+        else:
+            held = (m.device_blocks + m.host_blocks) * bt
+            abandoned = t.home_cached - (prompt if prompt < held else held)
+            affinity = margin + p.abandon_weight * (abandoned if abandoned > 0 else 0) / pf
+        externality = uncached_s * (p.queue_externality + p.crowd_weight * crowd * uncached_s)
+        if mean is None:
+            placement = 0.0
+        else:
+            excess = before - mean
+            placement = p.spread_weight * (0.0 if 0.0 > excess else excess) / pf
+        ids.append(rid)
+        cached_l.append(device + host)
+        uncached_l.append(uncached)
+        prefill_l.append(prefill)
+        total_l.append(prefill + queue + interference + eviction + affinity + externality + placement)
+    return Costs(ids, t, cached_l, uncached_l, prefill_l, total_l)
 
 
 def estimate(
-    ctx: RequestContext,
-    inputs: RoutingInputs,
-    view: ReplicaView,
-    home: ReplicaId | None,
+    ctx: RequestContext, inputs: RoutingInputs, view: ReplicaView, home: ReplicaId | None,
     p: CacheAwareParams,
-    terms: RequestTerms | None = None,
 ) -> TtftEstimate:
-    """The TTFT estimate of routing this request to ``view`` (pure). ``terms``: the
-    request's shared terms for this ``home`` (`request_terms`), computed when omitted."""
-    t = terms if terms is not None and terms.home == home else request_terms(ctx, inputs, home, p)
-    prompt = max(ctx.est_prompt_tokens, 0)
-    match = inputs.matches.get(view.id, _NO_MATCH)
-    device = min(match.device_blocks * ctx.block_tokens, prompt)
-    host = min(match.host_blocks * ctx.block_tokens, prompt - device)
-    if device + host == 0:
-        device = min(_parent_tokens(ctx, inputs, view.id, p, t.any_match), prompt)
-    uncached = prompt - device - host
-    waiting = view.prefill_ahead(uncached)  # admission-aware (replicas.admission)
-    return TtftEstimate(
-        replica=view.id,
-        cached_tokens=device + host,
-        uncached_tokens=uncached,
-        prefill_s=uncached / p.prefill_tokens_per_s + host / p.host_load_tokens_per_s,
-        queue_s=waiting / p.prefill_tokens_per_s,
-        interference_s=_interference_s(view, uncached, p),
-        eviction_s=_eviction_s(ctx, inputs, view, t, p),
-        affinity_s=_affinity_s(ctx, inputs, view, t, p),
-        externality_s=_externality_s(uncached, inputs, view, p),
-        placement_s=spread_term_s(inputs, view, t.spread_mean, p.spread_weight, p.prefill_tokens_per_s),
-    )
+    """The TTFT estimate of routing this request to ``view``, term by term (for tests and
+    inspection; decisions use `candidate_costs` or `estimate_arrays`)."""
+    return estimate_arrays(ctx, inputs, [view], home, p).one(0)
 
 
 def score_floor_s(p: CacheAwareParams) -> float:

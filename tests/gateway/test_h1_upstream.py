@@ -14,12 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.h1_upstream import (
+    FRAMING,
     MAX_HEAD_BYTES,
     PAUSE_BYTES,
     H1Response,
     H1Upstream,
     _Connection,
     _Replica,
+    _wire,
 )
 from gateway.upstream import ConnectFailed, Disconnected, HeadersLike
 from gateway.upstream_config import UpstreamConfig
@@ -452,8 +454,9 @@ async def test_malformed_answer_is_disconnected(bad: bytes) -> None:
     [(b"x-ok", b"1"), (b"x-a", b"1\r\n\r\nPOST /smuggled HTTP/1.1")],
     [(b"transfer-encoding ", b"chunked")],
     [(b"x\ta", b"1")],
+    [(b"x-ok", b"1"), (b"", b"1")],
 ], ids=["value-crlf", "value-lf", "value-cr", "value-nul", "name-crlf", "name-lf", "name-nul", "after-a-good-one",
-        "name-space", "name-tab"])
+        "name-space", "name-tab", "name-empty"])
 async def test_header_with_cr_lf_or_nul_is_refused_before_anything_is_sent(
         headers: list[tuple[bytes, bytes]]) -> None:
     got: list[bytes] = []
@@ -466,6 +469,27 @@ async def test_header_with_cr_lf_or_nul_is_refused_before_anything_is_sent(
             await send(pool, replica.url, b"{}", headers)
         await asyncio.sleep(0.05)
         assert replica.accepted == 0 and got == []
+
+
+HEADER_BYTES = st.binary(max_size=6).map(lambda b: b.replace(b"a", b"\r")) | st.sampled_from(
+    [b"x-a", b"", b"a b", b"v:1", b"\n", b"\x00", b"host", b"Content-Length"])
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(headers=st.lists(st.tuples(HEADER_BYTES, HEADER_BYTES), max_size=5))
+def test_the_head_is_refused_exactly_when_one_header_could_split_it(headers: list[tuple[bytes, bytes]]) -> None:
+    """`_wire` checks every name and value in two searches over them all; it refuses a head
+    exactly when one kept header, on its own, has an empty name, a CR, LF, NUL, colon, space
+    or tab in its name or a CR, LF or NUL in its value (and names that one)."""
+    kept = [(n, v) for n, v in headers if n.lower() not in FRAMING]
+    bad = [n for n, v in kept if not n or any(c in n for c in b"\r\n\0: \t") or any(c in v for c in b"\r\n\0")]
+    try:
+        head = _wire(b"POST", "/v1/chat/completions", b"127.0.0.1:1", 2, headers)
+    except Disconnected as exc:
+        assert bad and repr(bad[0]) in str(exc)
+    else:
+        assert not bad
+        assert head.count(b"\r\n") == 4 + len(kept)
 
 
 async def test_callers_framing_headers_are_dropped() -> None:

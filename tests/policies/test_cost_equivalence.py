@@ -72,13 +72,15 @@ def test_decisions_and_estimates_equal_the_old_formula(
     p_new = ttft_cost.CacheAwareParams(**params)  # type: ignore[arg-type]
     p_old = old_ttft_cost.CacheAwareParams(**params)  # type: ignore[arg-type]
     for home in {None, *(v.id for v in inputs.replicas[:2])}:
-        shared = ttft_cost.estimates(c, inputs, inputs.replicas, home, p_new)
+        costs = ttft_cost.candidate_costs(c, inputs, inputs.replicas, home, p_new)
         arrays = ttft_cost.estimate_arrays(c, inputs, inputs.replicas, home, p_new).as_list()
-        for v, e, a in zip(inputs.replicas, shared, arrays, strict=True):
-            ref = dataclasses.astuple(old_ttft_cost.estimate(c, inputs, v, home, p_old))
-            assert dataclasses.astuple(e) == ref
-            assert dataclasses.astuple(a) == ref
-            assert dataclasses.astuple(ttft_cost.estimate(c, inputs, v, home, p_new)) == ref
+        for i, (v, a) in enumerate(zip(inputs.replicas, arrays, strict=True)):
+            ref = old_ttft_cost.estimate(c, inputs, v, home, p_old)
+            assert dataclasses.astuple(a) == dataclasses.astuple(ref)
+            assert dataclasses.astuple(ttft_cost.estimate(c, inputs, v, home, p_new)) == dataclasses.astuple(ref)
+            assert (costs.replicas[i], costs.cached_tokens[i], costs.uncached_tokens[i], costs.prefill_s[i],
+                    costs.total_s[i]) == (ref.replica, ref.cached_tokens, ref.uncached_tokens, ref.prefill_s,
+                                          ref.total_s)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -105,20 +107,27 @@ def decide_or_none(policy: Pipeline, c: RequestContext, inputs: RoutingInputs, s
         return None
 
 
-def test_the_explainer_reuses_the_scorer_estimates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One decision evaluates the cost model once per candidate (N, not 2N+1)."""
+def test_a_decision_evaluates_the_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One decision evaluates the cost model once per candidate (N, not 2N+1): one
+    `candidate_costs` pass on the one-pass path, and one on the framework's dict path,
+    where the explainer takes the scorer's estimates back."""
     views = [view(i, in_flight=i) for i in range(3)]
     inputs = RoutingInputs(tuple(views), {v.id: PrefixMatch() for v in views}, None, None, {}, 1.0)
-    calls: list[str] = []
-    real = ttft_cost.estimate
+    calls: list[list[str]] = []
+    real = ttft_cost.candidate_costs
 
-    def counting(*args: Any, **kw: Any) -> ttft_cost.TtftEstimate:
-        calls.append(args[2].id)
+    def counting(*args: Any, **kw: Any) -> ttft_cost.Costs:
+        calls.append([c.id for c in args[2]])
         return real(*args, **kw)
 
-    monkeypatch.setattr(ttft_cost, "estimate", counting)
-    cache_aware.build({}, 0).decide(ctx(10_000, session="s"), inputs, random.Random(0))
-    assert sorted(calls) == sorted(v.id for v in views)
+    monkeypatch.setattr(cache_aware, "candidate_costs", counting)
+    policy = cache_aware.build({}, 0)
+    one_pass = policy.decide(ctx(10_000, session="s"), inputs, random.Random(0))
+    assert calls == [[v.id for v in views]]
+    calls.clear()
+    plugins = Pipeline.decide(policy, ctx(10_000, session="s"), inputs, random.Random(0))
+    assert calls == [[v.id for v in views]]
+    assert plugins == one_pass
 
 
 def test_a_large_fleet_evaluates_the_model_once_over_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,10 +142,10 @@ def test_a_large_fleet_evaluates_the_model_once_over_arrays(monkeypatch: pytest.
         calls.append([c.id for c in args[2]])
         return real(*args, **kw)
 
-    def scalar(*args: Any, **kw: Any) -> ttft_cost.TtftEstimate:
+    def scalar(*args: Any, **kw: Any) -> ttft_cost.Costs:
         raise AssertionError("a decision evaluated the scalar model")
 
     monkeypatch.setattr(cache_aware, "estimate_arrays", counting)
-    monkeypatch.setattr(ttft_cost, "estimate", scalar)
+    monkeypatch.setattr(cache_aware, "candidate_costs", scalar)
     cache_aware.build({}, 0).decide(ctx(10_000, session="s"), inputs, random.Random(0))
     assert calls == [[v.id for v in views]]
