@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any, Protocol
 
 import orjson
@@ -95,6 +96,11 @@ class SessionConfig(BaseModel):
     )
     use_user_field: bool = True
 
+    @cached_property
+    def named(self) -> frozenset[str]:
+        """Every header ``session_keys`` reads (read once: the settings do not change)."""
+        return frozenset((*self.headers, *self.parent_headers, *self.parent_fallback.values()))
+
 
 class ContextSettings(Protocol):
     """What ``build_context`` reads from the gateway's settings (``Settings`` satisfies it)."""
@@ -128,11 +134,14 @@ def _session_header(headers: Mapping[str, str], cfg: SessionConfig) -> tuple[str
 
 def session_keys(headers: Mapping[str, str], user: Any, cfg: SessionConfig) -> SessionKeys:
     """The conversation's key and its parent's (see ``SessionConfig``)."""
+    named = not headers.keys().isdisjoint(cfg.named)  # (most requests name none by header)
     session = source = None
-    if (found := _session_header(headers, cfg)) is not None:
+    if named and (found := _session_header(headers, cfg)) is not None:
         source, session = found
     if session is None and cfg.use_user_field and isinstance(user, str) and user:
         session = _bounded("user:" + user)
+    if not named:
+        return SessionKeys(session=session, parent=None)
     parent = next((_bounded(v) for name in cfg.parent_headers if (v := headers.get(name))), None)
     if parent is None and source is not None and (fallback := cfg.parent_fallback.get(source)):
         value = headers.get(fallback)

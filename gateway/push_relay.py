@@ -83,10 +83,16 @@ class ChunkWriter:
             return False
         keep_alive = c.keep_alive and not self.draining()
         content = [STATUS_LINE[status]]
+        names: list[bytes] = []
+        values: list[bytes] = []
         for name, value in (*c.default_headers, *headers):
-            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-                raise RuntimeError("invalid HTTP header")
+            names.append(name)
+            values.append(value)
             content += (name.lower(), b": ", value, b"\r\n")
+        # uvicorn's checks of every name and value, in two searches over them all (joining
+        # adds no byte either looks for)
+        if HEADER_RE.search(b"".join(names)) or HEADER_VALUE_RE.search(b"".join(values)):
+            raise RuntimeError("invalid HTTP header")
         if not keep_alive:
             content.append(b"connection: close\r\n")
         content.append(b"\r\n")

@@ -262,3 +262,17 @@ def test_agent_session_keys_from_the_body() -> None:
     assert codex.session.session == "user:conv-1"
     assert ctx_of({"model": "m", "input": "x", "user": "u"}, "responses").session.session == "user:u"
     assert ctx_of({"model": "m", "input": "x"}, "responses", {"session_id": "cx"}).session.session == "cx"
+
+
+SESSION_CFG = SessionConfig()
+HEADER_NAMES = st.sampled_from(sorted(SESSION_CFG.named) + ["x-request-id", "user-agent", "content-type"])
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(headers=st.dictionaries(HEADER_NAMES, st.sampled_from(["", "s1", "s2", "p" * 200])),
+       user=st.sampled_from([None, "", "u1", 7]))
+def test_session_keys_without_a_session_header_are_the_full_rules(headers: dict[str, str], user: Any) -> None:
+    """A request naming no session header skips the header lookups; the answer is the full
+    rules' (an empty ``x-kvgate-session`` sends a request down them and changes nothing)."""
+    full = session_keys({"x-kvgate-session": "", **headers}, user, SESSION_CFG)
+    assert session_keys(headers, user, SESSION_CFG) == full

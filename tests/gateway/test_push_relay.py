@@ -9,6 +9,9 @@ import contextlib
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
 from gateway.h1_upstream import PushSink
 from gateway.push_relay import ChunkWriter, PushRun, WritingListener
@@ -263,6 +266,26 @@ async def test_answer_refuses_a_header_uvicorn_would_refuse_before_writing() -> 
     with pytest.raises(RuntimeError):
         ChunkWriter(cycle, lambda listener: None).answer(200, [(b"x-bad", b"a\r\nb")], b"")
     assert transport.data == b"" and not cycle.response_started
+
+
+HEADER_BYTES = st.binary(max_size=5) | st.sampled_from([b"x-a", b"", b"a b", b"v:1", b"\t", b"\x7f", b"ok\r\n"])
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(headers=st.lists(st.tuples(HEADER_BYTES, HEADER_BYTES), max_size=4))
+def test_answer_refuses_exactly_the_headers_uvicorn_refuses(headers: list[tuple[bytes, bytes]]) -> None:
+    """The names and values are checked in two searches over them all: refused exactly when
+    one header, on its own, fails uvicorn's own check (``send``'s), and nothing written then."""
+    cycle, transport, _ = _cycle()
+    refused = any(HEADER_RE.search(n) or HEADER_VALUE_RE.search(v) for n, v in headers)
+    out = [*headers, (b"content-length", b"1")]
+    if refused:
+        with pytest.raises(RuntimeError):
+            ChunkWriter(cycle, lambda listener: None).answer(200, out, b"x")
+        assert transport.data == b"" and not cycle.response_started
+    else:
+        assert ChunkWriter(cycle, lambda listener: None).answer(200, out, b"x")
+        assert transport.data.endswith(b"\r\n\r\nx")
 
 
 async def test_a_client_that_closes_after_its_whole_answer_has_not_left_early() -> None:
