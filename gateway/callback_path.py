@@ -226,7 +226,7 @@ class Flight:
         try:
             exc = asyncio.CancelledError() if head.cancelled() else head.exception()
             if exc is not None:
-                self._hand_over(self.callbacks.gateway.proxy.begun_failure(self.attempt, exc, self.timed_out))
+                self._hand_over(self.callbacks.gateway.proxy.begun_failure(self.attempt, None if self.timed_out else exc))
                 return
             response = head.result()
             if response.answered is None and not response.ended and sent_whole(response.status_code,
@@ -252,7 +252,7 @@ class Flight:
                 self._end("answered")
                 proxy.answered(self.attempt)
             elif self.timed_out:  # the body did not come in time: a total timeout, as on the task path
-                self._hand_over(proxy.begun_failure(self.attempt, TimeoutError(), True))
+                self._hand_over(proxy.begun_failure(self.attempt, None))
             else:
                 self._hand_over(None)
         except Exception:  # a bug here must not leave the request hanging
@@ -264,7 +264,7 @@ class Flight:
         as failed (its failover or its error answer)."""
         self._abort_upstream()
         self._hand_over(self.callbacks.gateway.proxy.begun_failure(
-            self.attempt, RuntimeError("internal error on the callbacks path"), False))
+            self.attempt, RuntimeError("internal error on the callbacks path")))
 
     def _hand_over(self, failure: Failure | None) -> None:
         """The request goes on in its task (``Proxy.resume``), where its attempt stands."""

@@ -285,11 +285,11 @@ class Proxy:
         attempt.response = response  # (its head to come: ``head``)
         return attempt, head
 
-    def begun_failure(self, attempt: Attempt, exc: BaseException, timed_out: bool) -> Failure:
+    def begun_failure(self, attempt: Attempt, exc: BaseException | None) -> Failure:
         """The failure of a begun attempt whose answer did not come whole: ``exc`` broke it,
-        or (``timed_out``) its total timeout closed it."""
+        or (None) its total timeout closed it."""
         replica = attempt.decision.replica
-        return self._timeout("total_timeout", replica) if timed_out else self._failure(exc, "total_timeout", replica)
+        return self._timeout("total_timeout", replica) if exc is None else self._failure(exc, "total_timeout", replica)
 
     def answered(self, attempt: Attempt) -> None:
         """A begun attempt whose sink wrote the whole answer: its bookkeeping, as

@@ -44,6 +44,10 @@ class Gateway:
         r.raise_for_status()
         return r.text
 
+    def metric(self, series: str) -> float:
+        """`metric_value` of ``series`` on the gateway's ``/metrics`` now."""
+        return metric_value(self.metrics(), series)
+
     def callback_outcomes(self) -> dict[str, float]:
         """``kvgate_callback_path_requests_total`` by outcome: how requests left the callbacks path."""
         return {m.group(1): float(m.group(2)) for m in re.finditer(
@@ -53,6 +57,17 @@ class Gateway:
         r = self.admin("GET", "/replicas")
         r.raise_for_status()
         return {v["url"]: v for v in r.json()["data"]}
+
+
+def metric_value(text: str, series: str) -> float:
+    """The sum of the samples of ``series`` in a Prometheus exposition: a metric name (all
+    its label sets) or one labelled series, spelled as exposed (``name{reason="idle"}``)."""
+    total = 0.0
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if not line.startswith("#") and (key == series or ("{" not in series and key.startswith(series + "{"))):
+            total += float(value)
+    return total
 
 
 def start_gateway(replicas: list[str], log_path: Path, *extra: str) -> Gateway:

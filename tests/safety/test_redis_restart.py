@@ -112,11 +112,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
         yield f
 
 
-def metric(gw: Gateway, name: str) -> float:
-    text = httpx.get(gw.url + "/metrics", timeout=10.0).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
-
-
 class Sessions:
     """``n`` conversations, each in a thread; ``log`` holds (session, turn, phase, replica,
     status) per request. Session k sends its turns through gateway ``k % 2`` before the
@@ -215,9 +210,9 @@ def test_outage_keeps_session_affinity_and_a_restart_does_not_flap(
             redis_srv.start()
             phase[0] = "restarted"
             time.sleep(1.0)  # every gateway's recovery ping has run (index.redis_retry_s=0.2)
-            back = [metric(g, "kvgate_index_degraded_total") for g in gws]
+            back = [g.metric("kvgate_index_degraded_total") for g in gws]
             sessions.wait_for("restarted", 60)
-            after = [metric(g, "kvgate_index_degraded_total") for g in gws]
+            after = [g.metric("kvgate_index_degraded_total") for g in gws]
         finally:
             sessions.stop()
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import time
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import Gateway, start_gateway
+from tests.integration.conftest import start_gateway
 from tests.safety.raw_replica import POISON, raw_fleet
 
 pytestmark = pytest.mark.safety
@@ -22,11 +21,6 @@ JSON = {"content-type": "application/json"}
 
 def _chat(text: str, stream: bool = False) -> bytes:
     return json.dumps({"model": "m", "stream": stream, "messages": [{"role": "user", "content": text}]}).encode()
-
-
-def _metric(gw: Gateway, pattern: str) -> float:
-    text = httpx.get(gw.url + "/metrics", timeout=5.0).text
-    return sum(float(v) for v in re.findall(pattern + r" (\S+)", text))
 
 
 @dataclass
@@ -72,7 +66,7 @@ def test_poison_requests_fail_alone(tmp_path: Path) -> None:
 
             poison, good = asyncio.run(asyncio.wait_for(run(), 60.0))
             views = gw.replicas()
-            ejections = _metric(gw, r"kvgate_replica_ejections_total\{[^}]*\}")
+            ejections = gw.metric("kvgate_replica_ejections_total")
             answered = sum(fleet.stats(i)["answered"] for i in range(3))
         finally:
             gw.proc.stop()
@@ -141,7 +135,7 @@ def test_hung_replica_is_routed_around_and_no_request_is_lost(tmp_path: Path) ->
             replicas = gw.replicas()
             view = replicas[victim]
             # for a failure's message: why a request was not retried (budget, ejections)
-            seen = {"budget_exhausted": _metric(gw, "\nkvgate_retry_budget_exhausted_total"),
+            seen = {"budget_exhausted": gw.metric("kvgate_retry_budget_exhausted_total"),
                     "replicas": {u: (v["state"], v["ejected"]) for u, v in replicas.items()}}
         finally:
             fleet.procs[0].signal(signal.SIGCONT)
@@ -167,7 +161,7 @@ def test_phase_timeouts(tmp_path: Path) -> None:
                     return list(await asyncio.gather(*(_stream(client, f"q{i}", f"s{i}") for i in range(4))))
 
             results = asyncio.run(asyncio.wait_for(streams(), 30.0))
-            retried = _metric(gw, r'kvgate_upstream_retries_total\{reason="first_byte_timeout"\}')
+            retried = gw.metric('kvgate_upstream_retries_total{reason="first_byte_timeout"}')
             stalled = httpx.post(gw.url + "/v1/chat/completions", content=_chat("stall", True), timeout=20.0,
                                  headers={**JSON, "x-raw-mode": "stall"})
             before = sum(fleet.stats(i)["requests"] for i in range(2))

@@ -72,16 +72,11 @@ def _answer(reply: bytes) -> tuple[bytes, dict[str, str]]:
     return head, error
 
 
-def _metric(gw: Gateway, name: str) -> float:
-    text = httpx.get(gw.url + "/metrics", timeout=10.0).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 def test_idle_connection_is_closed(gw: Gateway) -> None:
-    before = _metric(gw, 'kvgate_client_connections_closed_total{reason="idle"}')
+    before = gw.metric('kvgate_client_connections_closed_total{reason="idle"}')
     with _connect(gw.url) as sock:
         assert _read_all(sock) == b""  # closed by the server, nothing sent
-    assert _metric(gw, 'kvgate_client_connections_closed_total{reason="idle"}') == before + 1
+    assert gw.metric('kvgate_client_connections_closed_total{reason="idle"}') == before + 1
 
 
 def test_slow_headers_get_408_and_close(gw: Gateway) -> None:
@@ -96,7 +91,7 @@ def test_slow_headers_get_408_and_close(gw: Gateway) -> None:
 
 
 def test_one_byte_per_interval_body_gets_408_and_close(gw: Gateway) -> None:
-    before = _metric(gw, 'kvgate_client_connections_closed_total{reason="body_timeout"}')
+    before = gw.metric('kvgate_client_connections_closed_total{reason="body_timeout"}')
     with _connect(gw.url) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: 1000\r\n\r\n")
@@ -115,7 +110,7 @@ def test_one_byte_per_interval_body_gets_408_and_close(gw: Gateway) -> None:
         sock.settimeout(BOUND_S)
         reply += _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408")
-    assert _metric(gw, 'kvgate_client_connections_closed_total{reason="body_timeout"}') == before + 1
+    assert gw.metric('kvgate_client_connections_closed_total{reason="body_timeout"}') == before + 1
     assert "Traceback" not in gw.proc.output()
 
 
@@ -133,14 +128,14 @@ def test_ambiguous_framing_is_400_json_and_closed(gw: Gateway, request_bytes: by
 
 
 def test_idle_connections_beyond_the_cap_do_not_lock_clients_out(gw: Gateway) -> None:
-    before = _metric(gw, 'kvgate_client_connections_closed_total{reason="evicted"}')
+    before = gw.metric('kvgate_client_connections_closed_total{reason="evicted"}')
     socks = []
     try:
         for _ in range(300):  # max_connections is 200: the oldest idle ones are evicted
             socks.append(_connect(gw.url))
         r = httpx.get(gw.url + "/ready", timeout=5.0)
-        evicted = _metric(gw, 'kvgate_client_connections_closed_total{reason="evicted"}') - before
-        open_now = _metric(gw, "kvgate_client_connections ")
+        evicted = gw.metric('kvgate_client_connections_closed_total{reason="evicted"}') - before
+        open_now = gw.metric("kvgate_client_connections")
     finally:
         for s in socks:
             s.close()
@@ -180,7 +175,7 @@ def test_concurrency_cap_answers_503_json_and_probes_still_pass(capped: Gateway)
     assert third.json()["error"] == {"message": third.json()["error"]["message"], "type": "service_unavailable",
                                      "code": "concurrency_cap", "param": None}
     assert health.status_code == 200 and ready.status_code == 200
-    assert _metric(capped, 'kvgate_requests_rejected_total{reason="concurrency_cap"}') >= 1
+    assert capped.metric('kvgate_requests_rejected_total{reason="concurrency_cap"}') >= 1
 
 
 @pytest.mark.parametrize(("name", "text", "expected"), [

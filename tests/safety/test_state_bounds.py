@@ -24,7 +24,7 @@ from prefix_index.factory import make_index
 from prefix_index.memory import MemoryPrefixIndex
 from prefix_index.segments import SegmentPrefixIndex
 from prefix_index.session_table import SessionTable
-from tests.integration.conftest import start_gateway
+from tests.integration.conftest import metric_value, start_gateway
 from tests.policies.support import ctx, rid, view
 
 pytestmark = pytest.mark.safety
@@ -97,7 +97,7 @@ async def test_router_keeps_affinity_from_its_own_table_when_the_index_fails() -
     inputs = await router.snapshot(ctx(4100, session="s-1", prefix="conv"))
     assert inputs.session == SessionEntry(rid(2), 4050, 1000.0)
     assert router.decide(ctx(4100, session="s-1", prefix="conv"), inputs).replica == rid(2)
-    assert _metric(metrics.exposition().decode(), "kvgate_index_degraded_total") >= 1
+    assert metric_value(metrics.exposition().decode(), "kvgate_index_degraded_total") >= 1
 
 
 # --- through a real gateway -------------------------------------------------------------
@@ -106,10 +106,6 @@ async def test_router_keeps_affinity_from_its_own_table_when_the_index_fails() -
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
     with SimFleet(1, profile="tiny", time_scale=8.0, seed=5, log_dir=tmp_path_factory.mktemp("fleet")) as f:
         yield f
-
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def test_random_session_ids_through_the_gateway_stay_within_the_bound(fleet: SimFleet, tmp_path: Path) -> None:
@@ -124,6 +120,6 @@ def test_random_session_ids_through_the_gateway_stay_within_the_bound(fleet: Sim
             text = client.get(gw.url + "/metrics").text
     finally:
         gw.proc.stop()
-    assert _metric(text, "kvgate_session_table_sessions") == 20
-    assert _metric(text, "kvgate_session_table_evictions_total") == 40
+    assert metric_value(text, "kvgate_session_table_sessions") == 20
+    assert metric_value(text, "kvgate_session_table_evictions_total") == 40
 
