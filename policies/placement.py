@@ -89,33 +89,11 @@ def spread_mean(
     ctx: RequestContext, inputs: RoutingInputs, weight: float, max_shared_tokens: int
 ) -> float | None:
     """The mean resident working set when the placement term applies to this request, else
-    None (the term is 0 everywhere). Computed once per decision: the per-replica part is
-    `spread_term_s` (the mean and the longest match are the same for every candidate)."""
+    None (the term is 0 everywhere). Computed once per decision (the mean and the longest
+    match are the same for every candidate); the per-replica part, ``spread_weight`` x the
+    working set above it / the prefill rate, is a term of `policies.ttft_cost`'s model."""
     if weight <= 0 or not is_new_conversation(ctx, inputs):
         return None
     if not 0 < shared_prefix_tokens(ctx, inputs) <= max_shared_tokens:
         return None
     return mean_resident_tokens(inputs)
-
-
-def spread_term_s(
-    inputs: RoutingInputs, view: ReplicaView, mean: float | None, weight: float,
-    prefill_tokens_per_s: float,
-) -> float:
-    """The placement term on ``view`` given `spread_mean`'s answer."""
-    if mean is None:
-        return 0.0
-    return weight * max(inputs.resident_tokens.get(view.id, 0) - mean, 0.0) / prefill_tokens_per_s
-
-
-def spread_s(
-    ctx: RequestContext,
-    inputs: RoutingInputs,
-    view: ReplicaView,
-    weight: float,
-    prefill_tokens_per_s: float,
-    max_shared_tokens: int,
-) -> float:
-    """The placement term (seconds) of starting a new session on ``view`` (0 otherwise)."""
-    mean = spread_mean(ctx, inputs, weight, max_shared_tokens)
-    return spread_term_s(inputs, view, mean, weight, prefill_tokens_per_s)

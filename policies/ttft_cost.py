@@ -140,17 +140,12 @@ def home_replica(inputs: RoutingInputs, candidates: Sequence[ReplicaView]) -> Re
     return home if home in map(_ID, candidates) else None
 
 
-def parent_tokens(
-    ctx: RequestContext, inputs: RoutingInputs, replica: ReplicaId, p: CacheAwareParams
-) -> int:
-    """Tokens assumed cached on the parent's replica for a subagent's first turn."""
-    return _parent_tokens(ctx, inputs, replica, p, any(m.blocks for m in inputs.matches.values()))
-
-
 def _parent_tokens(
     ctx: RequestContext, inputs: RoutingInputs, replica: ReplicaId, p: CacheAwareParams,
     any_match: bool,
 ) -> int:
+    """Tokens assumed cached on the parent's replica for a subagent's first turn
+    (``any_match``: the index knows a prefix of the prompt somewhere)."""
     parent = inputs.parent_session
     if (
         inputs.session is not None

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from policies.base import RoutingInputs
-from policies.placement import excess_resident_tokens, is_new_conversation, spread_s
+from policies.base import RequestContext, RoutingInputs
+from policies.placement import excess_resident_tokens, is_new_conversation
 from policies.registry import make_policy
 from policies.ttft_cost import CacheAwareParams, estimate
 from prefix_index.base import PrefixMatch, ReplicaId, SessionEntry
@@ -96,17 +96,21 @@ def test_placement_term_applies_to_new_sessions_only() -> None:
     new = inputs(views, resident=resident, matches=shared)
     assert excess_resident_tokens(new, views[0]) == pytest.approx(50_000)
     assert excess_resident_tokens(new, views[2]) == 0.0
-    assert spread_s(ctx(5_000, session="n"), new, views[0], 1.0, 40_000, 32_768) == pytest.approx(1.25)
     assert estimate(ctx(5_000, session="n"), new, views[0], None, p).placement_s == pytest.approx(1.25)
     # a session with a replica, a request without a session key, a subagent's first turn
     known = inputs(views, resident=resident, session=SessionEntry(rid(0), 9_000, NOW), matches=shared)
     sub = inputs(views, resident=resident, parent=SessionEntry(rid(0), 9_000, NOW), matches=shared)
     assert not is_new_conversation(ctx(5_000, session="n"), known)
     # nothing of the prompt anywhere: every replica pays the whole prefill, the other terms place it
-    assert spread_s(ctx(5_000, session="n"), inputs(views, resident=resident), views[0], 1.0, 40_000, 32_768) == 0.0
-    assert spread_s(ctx(5_000), new, views[0], 1.0, 40_000, 32_768) == 0.0
-    assert spread_s(ctx(5_000, session="a", parent="n"), sub, views[0], 1.0, 40_000, 32_768) == 0.0
-    assert spread_s(ctx(5_000, session="n"), new, views[0], 0.0, 40_000, 32_768) == 0.0
+    assert placement_s(ctx(5_000, session="n"), inputs(views, resident=resident), 1.0) == 0.0
+    assert placement_s(ctx(5_000), new, 1.0) == 0.0
+    assert placement_s(ctx(5_000, session="a", parent="n"), sub, 1.0) == 0.0
+    assert placement_s(ctx(5_000, session="n"), new, 0.0) == 0.0
+
+
+def placement_s(c: RequestContext, snap: RoutingInputs, weight: float) -> float:
+    """The placement term on the first replica, for a request with no session entry."""
+    return estimate(c, snap, snap.replicas[0], None, CacheAwareParams(spread_weight=weight)).placement_s
 
 
 def test_interleave_charges_prefill_chunks_on_a_decoding_replica() -> None:
