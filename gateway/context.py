@@ -134,7 +134,7 @@ def _session_header(headers: Mapping[str, str], cfg: SessionConfig) -> tuple[str
 
 def session_keys(headers: Mapping[str, str], user: Any, cfg: SessionConfig) -> SessionKeys:
     """The conversation's key and its parent's (see ``SessionConfig``)."""
-    named = not headers.keys().isdisjoint(cfg.named)  # (most requests name none by header)
+    named = not cfg.named.isdisjoint(headers.keys())  # (most requests name none by header)
     session = source = None
     if named and (found := _session_header(headers, cfg)) is not None:
         source, session = found

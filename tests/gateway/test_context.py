@@ -8,6 +8,7 @@ import orjson
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from starlette.datastructures import Headers
 
 from gateway import prefix_hash as ph
 from gateway.context import (
@@ -276,3 +277,6 @@ def test_session_keys_without_a_session_header_are_the_full_rules(headers: dict[
     rules' (an empty ``x-kvgate-session`` sends a request down them and changes nothing)."""
     full = session_keys({"x-kvgate-session": "", **headers}, user, SESSION_CFG)
     assert session_keys(headers, user, SESSION_CFG) == full
+    # a Starlette ``Headers`` (the count_tokens route passes the request's): the same answer
+    raw = [(k.encode(), v.encode("latin-1")) for k, v in headers.items()]
+    assert session_keys(Headers(raw=raw), user, SESSION_CFG) == full
