@@ -323,8 +323,9 @@ class CacheAwarePipeline(Pipeline):
             resident_window_s=p.resident_window_s,
         )
         self.params = p
-        self._ttft_weight, self._new_weight = weights["ttft"], weights["new-session"]
-        self._floor = score_floor_s(p)
+        (ttft, self._ttft_weight), (_, self._new_weight) = self.scorers  # the framework's weights, as given
+        assert isinstance(ttft, TtftScorer)
+        self._floor = ttft.floor
 
     def decide(self, ctx: RequestContext, inputs: RoutingInputs, rng: random.Random) -> Decision:
         if self.array_min is not None and len(inputs.replicas) >= self.array_min:

@@ -7,15 +7,13 @@ stated by KV events (``ExactMatch``: a lost home), and larger fleets."""
 from __future__ import annotations
 
 import dataclasses
-import random
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import cache_aware, ttft_cost
-from policies.base import NoRoutableReplica, RequestContext, RoutingInputs
-from policies.framework import Pipeline
+from policies.base import RequestContext, RoutingInputs
 from policies.routing import ExactMatch
 from tests.policies.test_cost_equivalence import PARAMS, decide_or_none, fleets
 
@@ -70,10 +68,6 @@ def test_the_array_model_equals_the_scalar_one(
         policy = cache_aware.build(policy_params, seed)
         policy.array_min = array_min
         decisions.append(decide_or_none(policy, c, inputs, seed))
-    plugins = cache_aware.build(policy_params, seed)
-    plugins.array_min = None
-    try:
-        decisions.append(Pipeline.decide(plugins, c, inputs, random.Random(seed)))
-    except NoRoutableReplica:
-        decisions.append(None)
+    policy.array_min = None  # the plugins one by one, over dicts
+    decisions.append(decide_or_none(policy, c, inputs, seed, plugins=True))
     assert decisions[1:] == decisions[:1] * 2

@@ -99,10 +99,14 @@ def test_larger_fleets_decide_as_the_old_formula_on_both_paths(
     assert decisions[1] == decisions[0] and decisions[2] == decisions[0]
 
 
-def decide_or_none(policy: Pipeline, c: RequestContext, inputs: RoutingInputs, seed: int) -> Decision | None:
-    """The policy's decision with a fresh rng of ``seed``; None when nothing is routable."""
+def decide_or_none(policy: Pipeline, c: RequestContext, inputs: RoutingInputs, seed: int,
+                   plugins: bool = False) -> Decision | None:
+    """The policy's decision with a fresh rng of ``seed``; None when nothing is routable.
+    ``plugins``: the framework's own `Pipeline.decide` (its plugins called one by one),
+    whatever the policy's class decides otherwise."""
+    decide = Pipeline.decide if plugins else type(policy).decide
     try:
-        return policy.decide(c, inputs, random.Random(seed))
+        return decide(policy, c, inputs, random.Random(seed))
     except NoRoutableReplica:
         return None
 
