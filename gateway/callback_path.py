@@ -49,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from gateway.app import ENDPOINT_PATHS
 from gateway.bodies import header_map
@@ -63,22 +63,17 @@ from gateway.server import RESUME_EXTENSION, edge_error
 from policies.base import NoRoutableReplica
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
-
     from gateway.app import Gateway
-    from gateway.edge import Edge
+    from gateway.edge import Edge, HeldCycle, StartTask
     from gateway.push_relay import ChunkWriter
 
 log = logging.getLogger("kvgate.callbacks")
 CUT_MESSAGE = "the gateway shut down before the response was complete; retry"
 
 
-def hand_over(cycle: RequestResponseCycle, begun: Begun, start_task: Callable[[], None]) -> None:
+def hand_over(begun: Begun, start_task: StartTask) -> None:
     """The request goes on in its ASGI task, from ``begun`` (``Gateway.handle``)."""
-    cycle.scope.setdefault("extensions", {})[RESUME_EXTENSION] = begun  # type: ignore[assignment]
-    start_task()
+    start_task({RESUME_EXTENSION: begun})
 
 
 class CallbackPath:
@@ -87,6 +82,7 @@ class CallbackPath:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.endpoints = {path: endpoint for endpoint, path in ENDPOINT_PATHS.items() if endpoint != "responses"}
+        self.urls = frozenset(path.encode("ascii") for path in self.endpoints)  # held by the edge (``take``)
         self.flights: set[Flight] = set()  # taken, not yet answered or handed to a task
 
     @classmethod
@@ -99,26 +95,21 @@ class CallbackPath:
                   and not gateway.index.concurrent_reads and not gateway.shared_state)
         return cls(gateway) if usable else None
 
-    def wants(self, method: str, path: str) -> bool:
-        """Hold the request's task back until its body is complete (then ``take``)."""
-        return method == "POST" and path in self.endpoints
-
-    def take(self, edge: Edge, cycle: RequestResponseCycle, writer: ChunkWriter,
-             start_task: Callable[[], None]) -> bool:
-        """Route and send the request now; False, with nothing done, when it must go the
-        task path from its start. ``start_task`` starts its ASGI task: for a request
-        decided here that cannot be sent without waiting, and for a hand-over (``Flight``):
-        the task goes on from there (one parse, one decision a request)."""
-        scope = cycle.scope
-        endpoint = self.endpoints.get(scope["path"])
+    def take(self, edge: Edge, held: HeldCycle, writer: ChunkWriter, start_task: StartTask) -> bool:
+        """Route and send the request (a ``POST`` to one of ``urls``, its body complete) now;
+        False, with nothing done, when it must go the task path from its start.
+        ``start_task`` starts its ASGI task: for a request decided here that cannot be sent
+        without waiting, and for a hand-over (``Flight``): the task goes on from there (one
+        parse, one decision a request)."""
+        endpoint = self.endpoints.get(held.path)
         if (endpoint is None or edge.closing or edge.active >= edge.config.max_concurrent_requests
-                or (edge.admin_port is not None and (scope.get("server") or ("", None))[1] == edge.admin_port)):
+                or (edge.admin_port is not None and (held.server or ("", None))[1] == edge.admin_port)):
             return False  # (the task path refuses or answers these)
         started_s = time.perf_counter()
         gw = self.gateway
         ctx = decision = None
-        body = bytes(cycle.body)  # (a copy of at most DEFER_MAX_BYTES)
-        raw_headers = cast("list[tuple[bytes, bytes]]", scope["headers"])  # (uvicorn's list)
+        body = held.body
+        raw_headers = held.headers
         try:
             if len(body) > gw.settings.hashing.max_body_bytes:
                 return False
@@ -129,9 +120,8 @@ class CallbackPath:
             router = gw.router
             inputs = finished(router.snapshot(ctx))
             decision = router.choose(ctx, inputs)
-            peer = scope.get("client")
-            out_headers = upstream_headers(raw_headers, gw.header_policy, peer[0] if peer else None,
-                                           scope.get("scheme", "http"))
+            peer = held.client
+            out_headers = upstream_headers(raw_headers, gw.header_policy, peer[0] if peer else None, held.scheme)
             upstream = gw.proxy.upstream
             assert isinstance(upstream, H1Upstream)
             path = ENDPOINT_PATHS[endpoint]
@@ -139,7 +129,7 @@ class CallbackPath:
         except (GatewayError, NoRoutableReplica, WouldWait):
             decision = None  # the task path answers it (or waits)
         except Exception:  # a bug: the task path runs into it too, and answers 500 in the API's shape
-            log.exception("callbacks path: request %s left to its task", scope.get("path"))
+            log.exception("callbacks path: request %s left to its task", held.path)
             decision = None
         if decision is None:  # nothing done: the task path from the start
             if ctx is not None:
@@ -150,15 +140,14 @@ class CallbackPath:
         # task path does right after its decision (the next decision sees this one); it ends
         # answered here, handed to its task, or cut
         if conn is None:  # sending would wait (no idle connection): the task sends it
-            hand_over(cycle, Begun(gw.proxy.lease_now(ctx, decision, started_s), inputs, path, body, out_headers),
-                      start_task)
+            hand_over(Begun(gw.proxy.lease_now(ctx, decision, started_s), inputs, path, body, out_headers), start_task)
             return True
         begun = gw.proxy.begin(ctx, decision, started_s, conn, body, writer)  # sent, then routed
         if begun is None:  # the write failed, nothing routed: the task path from the start
             gw.router.forget(ctx)
             return False
         attempt, head = begun
-        flight = Flight(self, edge, cycle, writer, Begun(attempt, inputs, path, body, out_headers, sent=True),
+        flight = Flight(self, edge, held.path, writer, Begun(attempt, inputs, path, body, out_headers, sent=True),
                         start_task)
         try:
             flight.start(head)
@@ -171,12 +160,12 @@ class CallbackPath:
 class Flight:
     """One request on the callbacks path, from its write upstream to its answer or hand-over."""
 
-    __slots__ = ("attempt", "begun", "callbacks", "counted", "cycle", "edge", "ended", "head", "start_task",
+    __slots__ = ("attempt", "begun", "callbacks", "counted", "edge", "ended", "head", "path", "start_task",
                  "timed_out", "timer", "writer")
 
-    def __init__(self, callbacks: CallbackPath, edge: Edge, cycle: RequestResponseCycle, writer: ChunkWriter,
-                 begun: Begun, start_task: Callable[[], None]) -> None:
-        self.callbacks, self.edge, self.cycle, self.writer = callbacks, edge, cycle, writer
+    def __init__(self, callbacks: CallbackPath, edge: Edge, path: str, writer: ChunkWriter, begun: Begun,
+                 start_task: StartTask) -> None:
+        self.callbacks, self.edge, self.path, self.writer = callbacks, edge, path, writer
         self.begun, self.attempt, self.start_task = begun, begun.attempt, start_task
         self.head: asyncio.Future[H1Response] | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -271,7 +260,7 @@ class Flight:
         if not self._end("handed_over"):
             return
         self.begun.failure = failure
-        hand_over(self.cycle, self.begun, self.start_task)
+        hand_over(self.begun, self.start_task)
 
     def _expired(self) -> None:
         """``upstream.total_timeout_s`` passed without the whole answer: the upstream request
@@ -296,7 +285,7 @@ class Flight:
         if not self._end("cut"):
             return
         self._abort_upstream()
-        body = edge_error(self.cycle.scope["path"], 503, CUT_MESSAGE, "server_shutdown", "server_shutdown")
+        body = edge_error(self.path, 503, CUT_MESSAGE, "server_shutdown", "server_shutdown")
         try:
             self.writer.answer(503, [(b"content-type", b"application/json"), (b"retry-after", b"1"),
                                      (b"content-length", b"%d" % len(body))], body)

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sglang-cpu": ("loadtest.sglang_cpu.cli", "run real SGLang 0.5.23 servers on the CPU with a tiny local model"),
     "sglang-args": ("replicas.sglang_args", "generate SGLang launch arguments from a replica profile"),
 }
+HUGE_PAGES = "gateway.huge_pages"  # `kvgate serve` executes itself again with malloc on huge pages
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``argv``: the arguments (default: this program's own, ``sys.argv``)."""
+    from_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] not in SUBCOMMANDS:
@@ -44,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     name = argv[0]
+    if name == "serve" and from_program:  # before the serving path's imports (gateway/huge_pages.py)
+        importlib.import_module(HUGE_PAGES).reexec_with_huge_pages()
     module = importlib.import_module(SUBCOMMANDS[name][0])
     sub_parser = argparse.ArgumentParser(prog=f"kvgate {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(sub_parser)

@@ -150,7 +150,7 @@ def session_keys(headers: Mapping[str, str], user: Any, cfg: SessionConfig) -> S
 
 
 def _check_content_type(content_type: str | None) -> None:
-    if content_type is None:
+    if content_type is None or content_type == "application/json":
         return
     media = content_type.split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):

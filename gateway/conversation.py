@@ -185,8 +185,13 @@ def chat_item(msg: Any, out: list[str], state: str | None = None) -> None:
         raise ShapeError("'messages' entries must be objects")
     role = msg.get("role")
     _open(ROLES.get(role, str(role)) if isinstance(role, str) else "", out)
-    _content(msg.get("content"), out)
-    _chat_tool_calls(msg.get("tool_calls"), out)
+    content = msg.get("content")
+    if isinstance(content, str):  # (most turns: ``_content``'s first case, without the call)
+        out.append(content)
+    else:
+        _content(content, out)
+    if "tool_calls" in msg:
+        _chat_tool_calls(msg["tool_calls"], out)
     if isinstance(msg.get("function_call"), dict):
         _chat_tool_calls([{"function": msg["function_call"]}], out)
     out.append("\x03")

@@ -12,10 +12,14 @@ open. Parser rejections (ambiguous framing, bad syntax) get an OpenAI-shaped 400
 request's scope carries the push relay's ``ChunkWriter`` (``gateway/push_relay.py``), and
 the connection tells that relay when the client's transport pauses and resumes writing.
 The header and body clocks are armed when a read's parsing ends, unless it got past them.
-An inference ``POST``'s ASGI task is held back until its body is complete (at most
-``DEFER_MAX_BYTES``, no ``Expect: 100-continue``) and the request offered to the callbacks
-path (``gateway/callback_path.py``), which routes it from ``on_message_complete`` or
-starts the task; a connection lost meanwhile starts it (it reads the disconnect).
+An inference ``POST`` (its path exactly an endpoint's, no ``Expect: 100-continue``, not
+behind another request of the connection) is held (``HeldCycle``): no ASGI scope, cycle,
+event or task is made for it while its body comes (at most ``DEFER_MAX_BYTES``), and it is
+offered to the callbacks path (``gateway/callback_path.py``) from ``on_message_complete``.
+The path answers it through the request's ``ChunkWriter``, or starts its task, which
+builds uvicorn's scope and cycle then (``EdgeProtocol._start_held``: the same scope and
+cycle uvicorn builds, tested against it); a larger body, or the connection lost
+meanwhile, starts the task too (it reads the body, or the disconnect).
 
 ``Edge`` is the state of one process's client edge that the protocol, the ASGI front and
 the server share (``gateway/server.py``). ``connection_limit`` clamps
@@ -30,20 +34,20 @@ import resource
 from asyncio import TimerHandle
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from gateway.errors import error_body
-from gateway.push_relay import PUSH_EXTENSION, ChunkWriter, WritingListener, edge_writer
+from gateway.push_relay import PUSH_EXTENSION, ChunkWriter, WritingListener
 from gateway.settings import ServerConfig
 
 if TYPE_CHECKING:
-    from uvicorn._types import ASGI3Application
+    from uvicorn._types import HTTPScope
     from uvicorn.config import Config
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+    from uvicorn.protocols.http.flow_control import FlowControl
 
     from gateway.metrics import GatewayMetrics
     from gateway.settings import Settings
@@ -91,6 +95,9 @@ class Cuttable(Protocol):
         """The shutdown grace is over: end the request now."""
 
 
+StartTask = Callable[[dict[str, object]], None]  # starts a held request's ASGI task, with these scope extensions
+
+
 class CallbackTaker(Protocol):
     """What the edge asks of the callbacks path (``gateway.callback_path.CallbackPath``)."""
 
@@ -98,11 +105,91 @@ class CallbackTaker(Protocol):
     def flights(self) -> Collection[Cuttable]:
         """Requests on the path now (the shutdown waits for them, then cuts them)."""
 
-    def wants(self, method: str, path: str) -> bool:
-        """Hold the request's task back until its body is complete, then ``take``."""
+    @property
+    def urls(self) -> Collection[bytes]:
+        """The request targets whose ``POST`` is held until its body is complete, then ``take``n."""
 
-    def take(self, edge: Edge, cycle: RequestResponseCycle, writer: ChunkWriter, start_task: Callable[[], None]) -> bool:
+    def take(self, edge: Edge, held: HeldCycle, writer: ChunkWriter, start_task: StartTask) -> bool:
         """Route and send it now, or hand it to its task (``start_task``); False: nothing done."""
+
+
+class _NoEvent:
+    """A held request's ``message_event``: nothing waits on it (it has no task yet)."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+NO_EVENT = _NoEvent()
+
+
+class HeldCycle:
+    """A request held for the callbacks path: what ``ChunkWriter`` and uvicorn's protocol
+    read of a ``RequestResponseCycle`` (the response's state, the connection's), and the
+    request as the path reads it. Its ASGI scope and cycle are built only if it goes to a
+    task (``EdgeProtocol._start_held``), from then on the writer's and the protocol's.
+    (No ``__slots__``: the response's state starts as these class defaults, so a held
+    request costs seven assignments.)"""
+
+    message_event = NO_EVENT
+    scope = None  # (no scope: ``ChunkWriter.detach`` has nothing to take out)
+    more_body = True
+    size = 0  # bytes of body so far
+    disconnected = False
+    response_started = False
+    response_complete = False
+    chunked_encoding: bool | None = None  # (the response state ChunkWriter.answer sets, as uvicorn's)
+    waiting_for_100_continue = False
+    expected_content_length = 0
+
+    def __init__(self, protocol: EdgeProtocol, url: bytes, headers: list[tuple[bytes, bytes]], http_version: str,
+                 keep_alive: bool) -> None:
+        self.protocol = protocol
+        self.url, self.headers, self.http_version, self.keep_alive = url, headers, http_version, keep_alive
+        self.path = url.decode("ascii")  # (a target of ``CallbackTaker.urls``: ASCII)
+        self.parts: list[bytes] = []
+
+    # the connection's, as a cycle has them
+    @property
+    def transport(self) -> asyncio.Transport:
+        return self.protocol.transport
+
+    @property
+    def flow(self) -> FlowControl:
+        return self.protocol.flow
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        return self.protocol.server_state.default_headers
+
+    def on_response(self) -> None:
+        self.protocol.on_response_complete()
+
+    @property
+    def client(self) -> tuple[str, int] | None:
+        return self.protocol.client
+
+    @property
+    def server(self) -> tuple[str, int | None] | None:
+        return self.protocol.server
+
+    @property
+    def scheme(self) -> str:
+        return self.protocol.scheme or "http"
+
+    @property
+    def body(self) -> bytes:
+        """The body so far (one chunk: no copy)."""
+        parts = self.parts
+        if len(parts) > 1:
+            parts[:] = [b"".join(parts)]
+        return parts[0] if parts else b""
+
+    def add(self, chunk: bytes) -> None:
+        self.parts.append(chunk)
+        self.size += len(chunk)
 
 
 class Edge:
@@ -170,8 +257,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self.counted = False
         self.writing_listener: WritingListener | None = None  # a push relay's flow control
         self.writers: list[ChunkWriter] = []  # of the requests whose response is not complete
-        self.heading = False  # in on_headers_complete: a request's ASGI task may be held back
-        self.held: tuple[RequestResponseCycle, ASGI3Application] | None = None  # for the callbacks path
+        self.held: HeldCycle | None = None  # a request held for the callbacks path, its body still coming
+        self.held_writer: ChunkWriter | None = None  # its writer (the held cycle does not name it: no cycle)
         self.took = False  # the callbacks path took (or handed on) a request in this read
 
     # ----------------------------------------------------------------- connections
@@ -196,7 +283,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self.edge.idle.pop(self, None)
         self._uncount()
         super().connection_lost(exc)
-        self._start_held()  # a body that never ended: its task reads the disconnect (a 499), as before
+        if self.held is not None and self.held_writer is not None:  # a body that never ended: its task reads
+            self.held.disconnected = True  # the disconnect (a 499), as before
+            self._start_held(self.held, self.held_writer)
         writers, self.writers = self.writers, []
         for writer in writers:  # every request of the connection (uvicorn marks only the last one parsed)
             writer.client_lost()
@@ -271,24 +360,97 @@ class EdgeProtocol(HttpToolsProtocol):
             self.flow.resume_reading()
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's, but the ASGI scope is built when the head is complete, for a request that needs one
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
         if self.deadline is None and self.wanted is None:  # a pipelined request behind the one just parsed
             self._want("header_timeout")
 
+    def _scope(self) -> HTTPScope:
+        """The scope uvicorn's ``on_message_begin`` makes (checked against it by
+        ``tests/gateway/test_edge_held.py``)."""
+        scope: dict[str, Any] = {  # (uvicorn's own literal; method and path are added with the head)
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
+        return cast("HTTPScope", scope)
+
     def on_headers_complete(self) -> None:
         self._disarm()
-        self.heading = True
-        try:
-            super().on_headers_complete()
-        finally:
-            self.heading = False
+        if self._hold():
+            self._want("body_timeout")
+            return
+        self.scope = self._scope()
+        super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # (not an upgrade): the push relay's writer
             writer = ChunkWriter(cycle, self._listen, self._draining)
             self.writers.append(writer)
-            self.scope.setdefault("extensions", {})[PUSH_EXTENSION] = writer  # type: ignore[assignment]
+            self.scope["extensions"] = {PUSH_EXTENSION: writer}  # type: ignore[dict-item]
         if not self.transport.is_closing() and not self.pipeline:  # a queued request waits its turn
             self._want("body_timeout")
+
+    def _hold(self) -> bool:
+        """Hold the request for the callbacks path (``HeldCycle``) when the path may take
+        it: a ``POST`` to one of its targets exactly (no query), no ``Expect:
+        100-continue``, not an upgrade, no response of this connection in progress (a
+        pipelined request waits in uvicorn's queue and goes the task path), and none of
+        the uvicorn settings that change a request's app or path (``limit_concurrency``,
+        ``root_path``)."""
+        callbacks = self.edge.callbacks
+        if callbacks is None or self.expect_100_continue or self.url not in callbacks.urls:
+            return False
+        parser = self.parser
+        current = self.cycle
+        if (parser.get_method() != b"POST" or parser.should_upgrade()
+                or (current is not None and not current.response_complete)
+                or self.limit_concurrency is not None or self.root_path):
+            return False
+        version = parser.get_http_version()
+        held = HeldCycle(self, self.url, self.headers, version, version != "1.0" and parser.should_keep_alive())
+        self.held = held
+        self.cycle = held  # type: ignore[assignment]  # (what uvicorn's protocol reads of it, HeldCycle has)
+        self.held_writer = writer = ChunkWriter(held, self._listen, self._draining)
+        self.writers.append(writer)
+        return True
+
+    def _start_held(self, held: HeldCycle, writer: ChunkWriter, extensions: dict[str, object] | None = None) -> None:
+        """The held request goes to its ASGI task: uvicorn's scope and cycle for it (as its
+        ``on_headers_complete`` makes them), the body so far, the writer's state; the
+        writer and the protocol go on with that cycle."""
+        scope = self._scope()
+        scope["headers"] = held.headers
+        if held.http_version != "1.1":
+            scope["http_version"] = held.http_version
+        scope["method"] = "POST"
+        scope["path"] = held.path
+        scope["raw_path"] = held.url
+        scope["query_string"] = b""
+        scope["extensions"] = {PUSH_EXTENSION: writer, **(extensions or {})}  # type: ignore[dict-item]
+        cycle = RequestResponseCycle(
+            scope=scope, transport=self.transport, flow=self.flow, logger=self.logger,
+            access_logger=self.access_logger, access_log=self.access_log,
+            default_headers=self.server_state.default_headers, message_event=asyncio.Event(),
+            expect_100_continue=False, keep_alive=held.keep_alive, on_response=self.on_response_complete)
+        assert not held.response_started, "a held request's response goes through its writer or its task"
+        cycle.body = bytearray(held.body)
+        cycle.more_body = held.more_body
+        cycle.disconnected = held.disconnected
+        cycle.message_event.set()  # (its receive() reads what is there, or the disconnect)
+        writer.cycle = cycle
+        if cast("object", self.cycle) is held:  # (else a request pipelined behind it is the protocol's current one)
+            self.cycle = cycle
+        if self.held is held:  # (its body still coming: uvicorn's on_body and on_message_complete go on)
+            self.held = self.held_writer = None
+        self._start_asgi_task(cycle, self.app)
 
     def _draining(self) -> bool:
         return self.edge.draining
@@ -306,44 +468,30 @@ class EdgeProtocol(HttpToolsProtocol):
         if self.writing_listener is not None:
             self.writing_listener(True)
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        """Held back, from the headers to the end of the body, for a request the callbacks
-        path may take (``gateway.callback_path``); else started as uvicorn starts it."""
-        callbacks = self.edge.callbacks
-        if (self.heading and callbacks is not None and not self.expect_100_continue
-                and callbacks.wants(cycle.scope["method"], cycle.scope["path"])):
-            self.held = (cycle, app)
-            return
-        self._start_now(cycle, app)
-
-    def _start_now(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        """Start the request's ASGI task (uvicorn's way), held back or not."""
-        super()._start_asgi_task(cycle, app)
-
-    def _start_held(self) -> None:
-        held, self.held = self.held, None
-        if held is not None:
-            self._start_now(*held)
-
     def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-        if self.held is not None and len(self.held[0].body) > DEFER_MAX_BYTES:
-            self._start_held()  # a large body: the task reads it (uvicorn pauses reading beyond this)
+        held = self.held
+        if held is None:
+            super().on_body(body)
+            return
+        held.add(body)
+        if held.size > DEFER_MAX_BYTES:
+            assert self.held_writer is not None
+            self._start_held(held, self.held_writer)  # a large body: the task reads it (uvicorn pauses reading beyond this)
 
     def on_message_complete(self) -> None:
         self._disarm()
-        super().on_message_complete()
         held = self.held
         if held is None:
+            super().on_message_complete()
             return
-        cycle, app = held
-        self.held = None
+        writer = self.held_writer
+        assert writer is not None
+        self.held = self.held_writer = None
+        held.more_body = False
         callbacks = self.edge.callbacks
-        writer = edge_writer(cycle.scope)
-        start = functools.partial(self._start_now, cycle, app)
-        if callbacks is None or writer is None or cycle.disconnected or not callbacks.take(self.edge, cycle, writer,
-                                                                                            start):
-            start()
+        if (callbacks is None or held.disconnected
+                or not callbacks.take(self.edge, held, writer, functools.partial(self._start_held, held, writer))):
+            self._start_held(held, writer)
         else:
             self.took = True
 

@@ -65,6 +65,7 @@ log = logging.getLogger("kvgate.upstream")
 MAX_HEAD_BYTES = 64 * 1024  # a response head (status line and headers) at most
 PAUSE_BYTES = 1024 * 1024  # a pulled body buffered beyond this pauses reading
 FRAMING = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect"})
+_FRAMED_BY = frozenset({b"content-length", b"transfer-encoding"})  # an answer's body ends by these, not the close
 _BAD = re.compile(rb"[\r\n\0]").search  # in a value or the path: it could split the head
 _BAD_NAME = re.compile(rb"[\r\n\0: \t]").search  # (a name with a space could be read as framing by a lenient server)
 
@@ -343,7 +344,11 @@ class _Connection(asyncio.Protocol):
         self.headed = True
         response.status_code = status
         response.headers = RawHeaders(self.raw)
-        framed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.raw)
+        framed = False
+        for k, _ in self.raw:
+            if k.lower() in _FRAMED_BY:
+                framed = True
+                break
         self.until_close = not framed and status not in (204, 304)
         if not self.head.done():
             self.head.set_result(response)

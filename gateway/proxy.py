@@ -87,6 +87,7 @@ from gateway.relay import (
     UsageSniffer,
     downstream_headers,
     error_response,
+    relayed_head,
     route_headers,
     sse_error,
     usage_of_body,
@@ -532,10 +533,15 @@ class Proxy:
         """Writes a whole answer to the client from the upstream connection's callback
         (``ChunkWriter.answer``) when the task would send it as it is: not an answer that
         fails the attempt (5xx, 429: retried or judged by the task), not a stream."""
+        decision = attempt.decision
+
         def answer(status: int, headers: HeadersLike, data: bytes) -> bool:
-            if not sent_whole(status, headers):
+            if _fails(status):  # (``sent_whole``, with the headers' one pass below)
                 return False
-            out = [*self._client_headers(attempt.decision, headers.raw), (b"content-length", b"%d" % len(data))]
+            relayed, content_type = relayed_head(headers.raw)
+            if content_type.startswith(SSE_TYPE):
+                return False
+            out = [*relayed, *_routing_headers(decision), (b"content-length", b"%d" % len(data))]
             if not writer.answer(status, out, data):
                 return False
             attempt.answered_headers = out
@@ -549,10 +555,7 @@ class Proxy:
 
     @staticmethod
     def _client_headers(decision: Decision, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [*downstream_headers(raw),
-                (b"x-kvgate-replica", decision.replica.encode("latin-1")),
-                (b"x-kvgate-route-reason", decision.reason.encode("latin-1")),
-                (b"x-kvgate-expected-cached-tokens", str(decision.predicted_cached_tokens).encode("latin-1"))]
+        return [*downstream_headers(raw), *_routing_headers(decision)]
 
     async def _buffered(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes],
                         headers: list[tuple[bytes, bytes]]) -> Response:
@@ -722,9 +725,19 @@ def sent_whole(status: int, headers: HeadersLike) -> bool:
     return not (_fails(status) or _is_sse(headers))
 
 
+def _routing_headers(decision: Decision) -> tuple[tuple[bytes, bytes], ...]:
+    """The routing headers on every answer: where it went, why, the cache it expected."""
+    return ((b"x-kvgate-replica", decision.replica.encode("latin-1")),
+            (b"x-kvgate-route-reason", decision.reason.encode("latin-1")),
+            (b"x-kvgate-expected-cached-tokens", str(decision.predicted_cached_tokens).encode("latin-1")))
+
+
 def _fails(status: int) -> bool:
     """An answer that fails its attempt (a 5xx, 429): retried or judged, never sent as it is."""
     return status >= 500 or status == 429
+
+
+SSE_TYPE = b"text/event-stream"
 
 
 def _is_sse(headers: HeadersLike) -> bool:

@@ -34,11 +34,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 if TYPE_CHECKING:
+    from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
     from gateway.h1_upstream import PushSink
@@ -56,15 +57,52 @@ class WritingListener(Protocol):
     def __call__(self, writable: bool) -> None: ...
 
 
+class _Event(Protocol):
+    def set(self) -> None: ...
+
+
+class Cycle(Protocol):
+    """What a ``ChunkWriter`` reads and sets of its request's cycle: uvicorn's
+    ``RequestResponseCycle``, or a request held for the callbacks path until it has one
+    (``gateway.edge.HeldCycle``)."""
+
+    keep_alive: bool
+    disconnected: bool
+    response_started: bool
+    response_complete: bool
+    waiting_for_100_continue: bool
+    chunked_encoding: bool | None
+    expected_content_length: int
+
+    @property
+    def scope(self) -> Mapping[str, Any] | None: ...
+
+    @property
+    def transport(self) -> asyncio.Transport: ...
+
+    @property
+    def flow(self) -> FlowControl: ...
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]: ...
+
+    @property
+    def message_event(self) -> _Event: ...
+
+    def on_response(self) -> None: ...
+
+
 class ChunkWriter:
     """Writes body chunks of one response straight into the client's transport."""
 
     __slots__ = ("boundary", "cycle", "draining", "listen", "lost")
 
-    def __init__(self, cycle: RequestResponseCycle, listen: Callable[[WritingListener | None], None],
+    def __init__(self, cycle: Cycle, listen: Callable[[WritingListener | None], None],
                  draining: Callable[[], bool] = lambda: False) -> None:
-        """``listen``: registers the listener of the connection's pause/resume writing;
-        ``draining``: the gateway is shutting down (an answer then closes its connection)."""
+        """``cycle``: uvicorn's, or a request held for the callbacks path until it has one
+        (``gateway.edge.HeldCycle``); ``listen``: registers the listener of the connection's
+        pause/resume writing; ``draining``: the gateway is shutting down (an answer then
+        closes its connection)."""
         self.cycle = cycle
         self.listen = listen
         self.draining = draining
@@ -82,16 +120,16 @@ class ChunkWriter:
         if c.response_started or c.disconnected or c.transport.is_closing():
             return False
         keep_alive = c.keep_alive and not self.draining()
-        content = [STATUS_LINE[status]]
+        content = [STATUS_LINE[status], _server_headers(c.default_headers)]
         names: list[bytes] = []
         values: list[bytes] = []
-        for name, value in (*c.default_headers, *headers):
+        for name, value in headers:
             names.append(name)
             values.append(value)
             content += (name.lower(), b": ", value, b"\r\n")
         # uvicorn's checks of every name and value, in two searches over them all (joining
         # adds no byte either looks for)
-        if HEADER_RE.search(b"".join(names)) or HEADER_VALUE_RE.search(b"".join(values)):
+        if _invalid(names, values):
             raise RuntimeError("invalid HTTP header")
         if not keep_alive:
             content.append(b"connection: close\r\n")
@@ -114,7 +152,8 @@ class ChunkWriter:
         cycle and the writer (which name each other) are freed when the request ends, by
         reference counting, not by the garbage collector (a collection of a few hundred
         requests' cycles is a pause of ~0.2 ms on some request's path)."""
-        extensions = self.cycle.scope.get("extensions")
+        scope = self.cycle.scope
+        extensions = scope.get("extensions") if scope is not None else None
         if extensions is not None:
             extensions.pop(PUSH_EXTENSION, None)
 
@@ -161,7 +200,7 @@ class ChunkWriter:
         part into the transport at once (one send instead of two: a whole answer's head
         and body, ``gateway.relay.AnsweredResponse``); a head left held is written at the
         end of the block."""
-        cycle = self.cycle
+        cycle = cast("RequestResponseCycle", self.cycle)  # (the task path's: a held request has no task)
         held = _HeadHeld(cycle.transport)
         cycle.transport = held  # type: ignore[assignment]  # the transport's one write() is what the cycle calls
         try:
@@ -169,6 +208,31 @@ class ChunkWriter:
         finally:
             cycle.transport = held.transport
             held.flush()
+
+
+def _invalid(names: list[bytes], values: list[bytes]) -> bool:
+    """A name or a value uvicorn's ``send`` refuses."""
+    return bool(HEADER_RE.search(b"".join(names)) or HEADER_VALUE_RE.search(b"".join(values)))
+
+
+_rendered: tuple[object, bytes] = (None, b"")  # the server's headers last rendered: (their list, bytes)
+
+
+def _server_headers(default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The server's own headers (``date``, ``server``) rendered and checked as ``answer``
+    does the answer's, once for each list: uvicorn's main loop makes a new one when the
+    date changes."""
+    global _rendered
+    seen, rendered = _rendered
+    if seen is default_headers:
+        return rendered
+    names = [name for name, _ in default_headers]
+    values = [value for _, value in default_headers]
+    if _invalid(names, values):
+        raise RuntimeError("invalid HTTP header")
+    rendered = b"".join(b"%s: %s\r\n" % (name.lower(), value) for name, value in default_headers)
+    _rendered = (default_headers, rendered)
+    return rendered
 
 
 class _HeadHeld:

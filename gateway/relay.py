@@ -94,29 +94,13 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], policy: HeaderPolicy = Head
     client's credentials (``Authorization``, Anthropic's ``x-api-key``) unless
     ``policy.forward_authorization`` (a configured replica key replaces them). ``client`` is appended to ``X-Forwarded-For``;
     ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` are set when the client sent none."""
-    lowered = _lowered(raw)
-    named = _connection_named(lowered)
     keep_auth = policy.forward_authorization and policy.replica_authorization is None
     dropped = HOP_BY_HOP if keep_auth else _HOP_AND_CREDENTIALS
-    if named:
-        dropped = dropped | named
-    out: list[tuple[bytes, bytes]] = []
-    forwarded_for: list[bytes] = []
-    host = b""
-    proto = fhost = False
-    for name, k, v in lowered:
-        if name == b"host":
-            host = v
-        if name in dropped or name.startswith(_DROPPED_PREFIXES):
-            continue
-        if name == b"x-forwarded-for":
-            forwarded_for.append(v)
-            continue
-        if name == b"x-forwarded-proto":
-            proto = True
-        elif name == b"x-forwarded-host":
-            fhost = True
-        out.append((k, v))
+    out, forwarded_for, host, proto, fhost, connection = _kept(raw, dropped)
+    if connection:  # (rare) the names its Connection: lists are hop-by-hop too: again, without them
+        named = _connection_named(_lowered(raw))
+        if named:
+            out, forwarded_for, host, proto, fhost, _ = _kept(raw, dropped | named)
     if client:
         forwarded_for.append(client.encode("latin-1"))
     if forwarded_for:
@@ -130,14 +114,58 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], policy: HeaderPolicy = Head
     return out
 
 
+def _kept(raw: list[tuple[bytes, bytes]], dropped: frozenset[bytes]
+          ) -> tuple[list[tuple[bytes, bytes]], list[bytes], bytes, bool, bool, bool]:
+    """``upstream_headers``' pass over the client's headers: those kept, the
+    ``X-Forwarded-For`` values, the host, whether ``X-Forwarded-Proto`` / ``-Host`` came,
+    whether a ``Connection:`` did (each name lowered once)."""
+    out: list[tuple[bytes, bytes]] = []
+    forwarded_for: list[bytes] = []
+    host = b""
+    proto = fhost = connection = False
+    for k, v in raw:
+        name = k.lower()
+        if name == b"host":
+            host = v
+        if name in dropped or name.startswith(_DROPPED_PREFIXES):
+            connection = connection or name == b"connection"
+            continue
+        if name == b"x-forwarded-for":
+            forwarded_for.append(v)
+            continue
+        if name == b"x-forwarded-proto":
+            proto = True
+        elif name == b"x-forwarded-host":
+            fhost = True
+        out.append((k, v))
+    return out, forwarded_for, host, proto, fhost, connection
+
+
 def downstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The replica's response headers as relayed: hop-by-hop ones (also those its
     ``Connection:`` names), ``date``/``server`` (the gateway's server sets them) and any
     ``x-kvgate-*`` dropped."""
-    lowered = _lowered(raw)
-    named = _connection_named(lowered)
-    dropped = NOT_RELAYED | named if named else NOT_RELAYED
-    return [(k, v) for name, k, v in lowered if name not in dropped and not name.startswith(_DROPPED_PREFIXES)]
+    return relayed_head(raw)[0]
+
+
+def relayed_head(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """``downstream_headers`` and the answer's (first) content type, in one pass over the
+    headers (the answer sink's, on the callbacks path's request path)."""
+    out: list[tuple[bytes, bytes]] = []
+    content_type: bytes | None = None
+    connection = False
+    for k, v in raw:
+        name = k.lower()
+        if name == b"content-type" and content_type is None:
+            content_type = v
+        if name in NOT_RELAYED or name.startswith(_DROPPED_PREFIXES):
+            connection = connection or name == b"connection"
+            continue
+        out.append((k, v))
+    if connection:  # (rare) the names its Connection: lists are hop-by-hop too
+        named = _connection_named(_lowered(raw))
+        out = [(k, v) for k, v in out if k.lower() not in named]
+    return out, content_type or b""
 
 
 def route_headers(replica: str, reason: str) -> dict[str, str]:

@@ -138,20 +138,19 @@ class Router:
         """
         now_s = self.clock()
         ids = self._ids()
-        empty: dict[ReplicaId, PrefixMatch] = {}
         core = self.core
         fresh = core.resident_fresh(now_s)
-        match_read = self._guarded("match", self.index.match(ctx.block_hashes, ids), empty) \
-            if ctx.block_hashes and ids else _value(empty)
-        session_read, parent_read = self._session(ctx.session.session), self._session(ctx.session.parent)
-        resident_read = _value(fresh) if fresh is not None else self._guarded(
-            "resident_tokens", self.index.resident_tokens(now_s, core.resident_window_s), {})
+        keys = ctx.session
+        matching = bool(ctx.block_hashes and ids)
         if self.index.concurrent_reads:
             matches, session, parent, resident = await asyncio.gather(
-                match_read, session_read, parent_read, resident_read)
-        else:  # in-process reads finish without waiting: no task for each
-            matches, session, parent, resident = \
-                await match_read, await session_read, await parent_read, await resident_read
+                self._match(ctx, ids, matching), self._session(keys.session), self._session(keys.parent),
+                self._resident(now_s, fresh))
+        else:  # in-process reads finish without waiting: no task for each, none for what is known already
+            matches = await self._match(ctx, ids, matching) if matching else {}
+            session = await self._session(keys.session) if keys.session is not None else None
+            parent = await self._session(keys.parent) if keys.parent is not None else None
+            resident = fresh if fresh is not None else await self._resident(now_s, None)
         if fresh is None:
             core.store_resident(now_s, resident)
         merged = self._precise_matches(ctx, ids, matches) if self.precise is not None else matches
@@ -173,6 +172,18 @@ class Router:
         while len(self._precise) > PRECISE_PENDING:
             self._precise.popitem(last=False)
         return merge_matches(approx, answer.matches, approx_block_tokens=ctx.block_tokens)
+
+    async def _match(self, ctx: RequestContext, ids: Sequence[ReplicaId],
+                     matching: bool) -> Mapping[ReplicaId, PrefixMatch]:
+        """The index's matches of the request's blocks (none to look for: none)."""
+        return await self._guarded("match", self.index.match(ctx.block_hashes, ids), {}) if matching else {}
+
+    async def _resident(self, now_s: float, fresh: Mapping[ReplicaId, int] | None) -> Mapping[ReplicaId, int]:
+        """The fleet's resident working set: ``fresh`` (cached), else read from the index."""
+        if fresh is not None:
+            return fresh
+        return await self._guarded("resident_tokens", self.index.resident_tokens(now_s, self.core.resident_window_s),
+                                   {})
 
     async def _session(self, key: str | None) -> SessionEntry | None:
         """The index's entry for the session; this router's own if the index fails."""
@@ -282,6 +293,3 @@ class FleetListener:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-
-async def _value(value: T) -> T:
-    return value

@@ -12,8 +12,10 @@ from gateway.relay import (
     NOT_RELAYED,
     HeaderPolicy,
     downstream_headers,
+    relayed_head,
     upstream_headers,
 )
+from gateway.upstream import RawHeaders
 
 Raw = list[tuple[bytes, bytes]]
 
@@ -73,7 +75,8 @@ NAMES = [b"content-type", b"accept", b"user-agent", b"x-custom", b"x-other", b"H
 name = st.sampled_from(NAMES).flatmap(lambda n: st.sampled_from([n, n.upper(), n.lower()]))
 token = st.sampled_from([b"x-custom", b"X-Other", b"keep-alive", b"close", b"", b" ", b"accept", b"upgrade"])
 connection_value = st.lists(token, max_size=4).map(lambda ts: b",".join(b" " + t + b" " for t in ts))
-value = st.sampled_from([b"1", b"a, b", b"10.0.0.1", b"https", b"Bearer x"]) | connection_value
+value = st.sampled_from([b"1", b"a, b", b"10.0.0.1", b"https", b"Bearer x", b"text/event-stream",
+                         b"application/json"]) | connection_value
 headers = st.lists(st.tuples(name, value), max_size=12)
 policies = st.sampled_from([HeaderPolicy(), HeaderPolicy(forward_authorization=True),
                             HeaderPolicy(replica_authorization=b"Bearer k"),
@@ -91,3 +94,13 @@ def test_upstream_headers_keep_what_they_kept(raw: Raw, policy: HeaderPolicy, cl
 @given(headers)
 def test_downstream_headers_keep_what_they_kept(raw: Raw) -> None:
     assert downstream_headers(raw) == old_downstream(raw)
+
+
+@settings(max_examples=400, deadline=None)
+@given(headers)
+def test_relayed_head_is_the_downstream_headers_and_the_first_content_type(raw: Raw) -> None:
+    """The answer sink's one pass: the relayed headers, and the content type the proxy's
+    SSE check reads (``RawHeaders.get``: the first one)."""
+    relayed, content_type = relayed_head(raw)
+    assert relayed == old_downstream(raw)
+    assert content_type.decode("latin-1") == RawHeaders(raw).get("content-type", "")
