@@ -35,6 +35,8 @@ def model_seed(model: str) -> int:
 
 def chain_hashes(data: bytes, model: str, block_bytes: int, max_blocks: int) -> tuple[int, ...]:
     """Chained xxh3_64 hashes of the full ``block_bytes`` blocks of ``data`` (at most ``max_blocks``)."""
+    if len(data) < block_bytes:  # (a short prompt: no full block, nothing to hash)
+        return ()
     return tuple(extend_chain(model_seed(model), data, block_bytes, max_blocks))
 
 

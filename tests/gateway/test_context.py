@@ -280,3 +280,22 @@ def test_session_keys_without_a_session_header_are_the_full_rules(headers: dict[
     # a Starlette ``Headers`` (the count_tokens route passes the request's): the same answer
     raw = [(k.encode(), v.encode("latin-1")) for k, v in headers.items()]
     assert session_keys(Headers(raw=raw), user, SESSION_CFG) == full
+
+
+def test_request_ids_are_unique_and_a_forked_process_has_its_own() -> None:
+    import os
+
+    from gateway.context import new_request_id
+
+    ids = [new_request_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids) and all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its ids, sent back
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert child[:16] != ids[0][:16] and child not in ids
