@@ -1,4 +1,4 @@
-"""`kvgate serve` runs with glibc's malloc on transparent huge pages (gateway/huge_pages.py):
+"""`kvgate serve` runs with the interpreter's memory on transparent huge pages (gateway/huge_pages.py):
 the rule for when it applies, and a real `kvgate serve` process's environment and memory."""
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.huge_pages import SWITCH, TUNABLE, thp_mode, tunables_with_huge_pages
+from gateway.huge_pages import (
+    SWITCH,
+    TUNABLE,
+    environment_with_huge_pages,
+    thp_mode,
+    tunables_with_huge_pages,
+)
 from tests.integration.conftest import start_gateway
 
 ON = f"{TUNABLE}=1"
@@ -20,6 +26,14 @@ def test_the_tunable_is_added_where_it_applies() -> None:
     assert tunables_with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "Linux", "glibc",
                                     "madvise") == f"glibc.malloc.arena_max=2:{ON}"
     assert tunables_with_huge_pages({"GLIBC_TUNABLES": f"{TUNABLE}=0"}, "Linux", "glibc", "madvise") is None
+
+
+def test_python_objects_come_from_malloc_unless_the_operator_chose() -> None:
+    env = environment_with_huge_pages({"HOME": "/h"}, "Linux", "glibc", "madvise")
+    assert env == {"HOME": "/h", "GLIBC_TUNABLES": ON, "PYTHONMALLOC": "malloc"}
+    env = environment_with_huge_pages({"PYTHONMALLOC": "pymalloc_debug"}, "Linux", "glibc", "madvise")
+    assert env is not None and env["PYTHONMALLOC"] == "pymalloc_debug"
+    assert environment_with_huge_pages({SWITCH: "0"}, "Linux", "glibc", "madvise") is None
 
 
 @pytest.mark.parametrize(("environ", "system", "libc", "mode"), [
@@ -64,10 +78,11 @@ def test_a_gateway_process_runs_with_huge_pages_unless_turned_off(tmp_path: Path
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.delenv("PYTHONMALLOC", raising=False)
     gw = start_gateway([], tmp_path / "on.log")
     try:
         pid = gw.proc.popen.pid  # (the same process: it executed itself again)
-        assert ON in _environ(pid).get("GLIBC_TUNABLES", "")
+        assert ON in _environ(pid).get("GLIBC_TUNABLES", "") and _environ(pid).get("PYTHONMALLOC") == "malloc"
         assert _anon_huge_kb(pid) > 0, "no transparent huge page in the gateway's memory"
     finally:
         gw.proc.stop()
@@ -75,7 +90,7 @@ def test_a_gateway_process_runs_with_huge_pages_unless_turned_off(tmp_path: Path
     gw = start_gateway([], tmp_path / "off.log")
     try:
         pid = gw.proc.popen.pid
-        assert TUNABLE not in _environ(pid).get("GLIBC_TUNABLES", "")
+        assert TUNABLE not in _environ(pid).get("GLIBC_TUNABLES", "") and "PYTHONMALLOC" not in _environ(pid)
         if thp_mode() == "madvise":  # (with "always" the kernel gives them to every process)
             assert _anon_huge_kb(pid) == 0
     finally:
