@@ -7,10 +7,12 @@ ASGI layers above it, adds ~0.15 ms to a small request against the same work don
 the connections' callbacks. So a request that can be served without waiting is served
 there:
 
-- ``EdgeProtocol`` (gateway/edge.py) holds back the ASGI task of an inference ``POST``
-  until its body is complete (a body over ``gateway.edge.DEFER_MAX_BYTES`` or an ``Expect:
-  100-continue`` starts the task at once, as before), then offers the request to
-  ``CallbackPath.take`` from ``on_message_complete``.
+- ``EdgeProtocol`` (gateway/edge.py) holds an inference ``POST`` to one of ``urls``
+  (``HeldCycle``: no ASGI task, scope or cycle yet) until its body is complete (a body
+  over ``gateway.edge.DEFER_MAX_BYTES`` starts its task then; an ``Expect: 100-continue``
+  or a request pipelined behind another is not held), then offers it to
+  ``CallbackPath.take`` from ``on_message_complete``. Its task, when it needs one, gets
+  uvicorn's scope and cycle then, with the extensions ``start_task`` is given.
 - ``take`` parses it (``build_context``), reads the in-process index (``snapshot``) and
   decides (``Router.choose``), all without side effects, and keeps the request only when
   nothing in it has to wait: not a stream, not the Responses API (its store waits), the
