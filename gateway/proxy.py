@@ -79,6 +79,7 @@ from gateway.h1_upstream import H1Response, Sending
 from gateway.metrics import GatewayMetrics
 from gateway.push_relay import ChunkWriter, PushRun
 from gateway.relay import (
+    SSE_MEDIA,
     AnsweredResponse,
     PushableStream,
     RelayResponse,
@@ -539,7 +540,7 @@ class Proxy:
             if _fails(status):  # (``sent_whole``, with the headers' one pass below)
                 return False
             relayed, content_type = relayed_head(headers.raw)
-            if content_type.startswith(SSE_TYPE):
+            if content_type.startswith(SSE_MEDIA):
                 return False
             out = [*relayed, *_routing_headers(decision), (b"content-length", b"%d" % len(data))]
             if not writer.answer(status, out, data):
@@ -737,11 +738,11 @@ def _fails(status: int) -> bool:
     return status >= 500 or status == 429
 
 
-SSE_TYPE = b"text/event-stream"
+_SSE_MEDIA = SSE_MEDIA.decode("latin-1")  # (``HeadersLike.get`` answers str)
 
 
 def _is_sse(headers: HeadersLike) -> bool:
-    return headers.get("content-type", "").startswith("text/event-stream")
+    return headers.get("content-type", "").startswith(_SSE_MEDIA)
 
 
 def _stalled(exc: BaseException) -> bool:

@@ -58,18 +58,14 @@ class HeaderPolicy:
                    None if key is None else b"Bearer " + key.get_secret_value().encode("latin-1"))
 
 
-Lowered = list[tuple[bytes, bytes, bytes]]  # (lowercased name, name, value): each name lowered once
+SSE_MEDIA = b"text/event-stream"  # the content type of a streamed (SSE) answer
 
 
-def _lowered(raw: list[tuple[bytes, bytes]]) -> Lowered:
-    return [(k.lower(), k, v) for k, v in raw]
-
-
-def _connection_named(lowered: Lowered) -> frozenset[bytes]:
+def _connection_named(raw: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Header names listed in ``Connection:`` (hop-by-hop by declaration, RFC 9110 7.6.1)."""
     named: set[bytes] | None = None
-    for name, _, v in lowered:
-        if name == b"connection":
+    for k, v in raw:
+        if k.lower() == b"connection":
             if named is None:
                 named = set()
             named.update(t.strip().lower() for t in v.split(b","))
@@ -98,7 +94,7 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], policy: HeaderPolicy = Head
     dropped = HOP_BY_HOP if keep_auth else _HOP_AND_CREDENTIALS
     out, forwarded_for, host, proto, fhost, connection = _kept(raw, dropped)
     if connection:  # (rare) the names its Connection: lists are hop-by-hop too: again, without them
-        named = _connection_named(_lowered(raw))
+        named = _connection_named(raw)
         if named:
             out, forwarded_for, host, proto, fhost, _ = _kept(raw, dropped | named)
     if client:
@@ -163,7 +159,7 @@ def relayed_head(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, byte
             continue
         out.append((k, v))
     if connection:  # (rare) the names its Connection: lists are hop-by-hop too
-        named = _connection_named(_lowered(raw))
+        named = _connection_named(raw)
         out = [(k, v) for k, v in out if k.lower() not in named]
     return out, content_type or b""
 

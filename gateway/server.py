@@ -34,7 +34,7 @@ from uvicorn.server import Server
 from gateway.edge import CallbackTaker, Edge, EdgeServerState
 from gateway.errors import anthropic_error_body, api_of, endpoint_of, error_body
 from gateway.push_relay import ChunkWriter, edge_writer
-from gateway.relay import sse_error
+from gateway.relay import SSE_MEDIA, sse_error
 
 if TYPE_CHECKING:
     import socket
@@ -165,7 +165,7 @@ class _Relay:
             headers = message.get("headers") or ()
             for name, value in headers:
                 if name.lower() == b"content-type":
-                    self.sse = value.startswith(b"text/event-stream")
+                    self.sse = value.startswith(SSE_MEDIA)
                     break
             if self.edge.draining:  # the client's next request goes to a new connection
                 message = {**message, "headers": [*headers, (b"connection", b"close")]}
