@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 # name -> (module path, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -26,8 +27,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 HUGE_PAGES = "gateway.huge_pages"  # `kvgate serve` executes itself again with malloc on huge pages
 
 
+def installed_version() -> str:
+    """The installed distribution's version (``pyproject.toml``), or ``unknown`` when run from
+    a source tree that was never installed."""
+    try:
+        return version("kvgate")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="Cache-aware LLM inference gateway")
+    parser.add_argument("--version", action="version", version=f"kvgate {installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -42,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not argv or argv[0] not in SUBCOMMANDS:
+    if not argv or argv[0] not in SUBCOMMANDS:  # also --version and --help
         args = parser.parse_args(argv)
         parser.print_help()
         return 2

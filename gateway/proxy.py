@@ -72,6 +72,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from gateway import access_log
 from gateway.admission import Admission, AdmissionConfig
 from gateway.eager import run_now
 from gateway.errors import GatewayError, NoReplicaAvailable, UpstreamError, UpstreamTimeout
@@ -672,6 +673,7 @@ class Proxy:
                 and attempt.first_byte_s is not None and attempt.last_byte_s is not None):
             itl = (attempt.last_byte_s - attempt.first_byte_s) / (outcome.completion_tokens - 1)
         metrics.timing(outcome.ttft_s, itl)
+        access_log.record(attempt.ctx, attempt.decision, outcome)
         await self.router.completed(attempt.ctx, attempt.decision, outcome)
 
 

@@ -172,11 +172,20 @@ def json_response(data: object, status: int = 200, headers: dict[str, str] | Non
     return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
 
 
+RETRY_STATUSES = frozenset({429, 503})  # the gateway's own answers that ask the client to come back
+RETRY_AFTER_S = "1"  # seconds: replicas rejoin within a probe interval; the edge's refusals say the same
+
+
 def error_response(error: GatewayError, headers: dict[str, str] | None = None, api: str = "chat") -> Response:
     """The JSON body of a gateway error in the shape of ``api``'s API (an endpoint name:
-    Anthropic's for messages, OpenAI's otherwise), with the routing headers."""
-    return Response(orjson.dumps(error.body(api_of(api))), status_code=error.status,
-                    headers=headers or route_headers("none", "none"), media_type="application/json")
+    Anthropic's for messages, OpenAI's otherwise), with the routing headers. A 503 or 429
+    the gateway answers itself (no replica, overloaded) carries ``Retry-After`` (``RETRY_AFTER_S``),
+    as the edge's own refusals do: SDKs wait that long before their retry instead of guessing."""
+    out = headers or route_headers("none", "none")
+    if error.status in RETRY_STATUSES:
+        out = {**out, "retry-after": RETRY_AFTER_S}
+    return Response(orjson.dumps(error.body(api_of(api))), status_code=error.status, headers=out,
+                    media_type="application/json")
 
 
 Usage = tuple[int | None, int | None, int | None]  # prompt, cached, completion tokens

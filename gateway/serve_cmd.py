@@ -41,6 +41,7 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.server import Server
 from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
+from gateway import access_log
 from gateway.edge import Edge, EdgeProtocol, connection_limit
 from gateway.server import EdgeApp, GatewayServer
 from gateway.settings import Settings, load_settings, set_path
@@ -190,6 +191,7 @@ def _log_setup(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    access_log.configure(settings.server.access_log)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

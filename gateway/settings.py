@@ -71,6 +71,9 @@ class ServerConfig(BaseModel):
         default=300.0, ge=0, description="on SIGTERM: /ready turns 503 at once, connections are still "
         "accepted, requests in flight get this long; streams still open then end with an SSE error event "
         "(keep below the pod's terminationGracePeriodSeconds, 330)")
+    access_log: bool = Field(
+        default=False, description="one INFO line per finished request on the 'kvgate.access' logger: "
+        "endpoint, status, replica, route reason, predicted and reported cached tokens, TTFT (gateway/access_log.py)")
     callback_path: bool = Field(
         default=True, description="serve a small non-streamed inference request from the connection's callbacks "
         "when nothing in it has to wait (gateway/callback_path.py); off: every request runs in a task of its own")

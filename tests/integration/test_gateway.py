@@ -115,6 +115,10 @@ def test_ready_503_without_replicas(make_gateway: object) -> None:
                    json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica_available"
     assert "x-kvgate-replica" in r.headers
+    assert r.headers["retry-after"] == "1"  # the SDKs' retry waits for it
+    m = httpx.post(gw.url + "/v1/messages", timeout=5.0,
+                   json={"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert m.status_code == 503 and m.json()["type"] == "error" and m.headers["retry-after"] == "1"
 
 
 @pytest.mark.redis
@@ -141,3 +145,23 @@ def test_two_gateways_share_sessions_and_drains_through_redis(fleet4: SimFleet, 
         drained = gw1.admin("POST", "/replicas/drain", json={"url": replica, "wait": True})
         assert drained.status_code == 200
         wait_until(lambda: replica not in gw2.replicas(), 10.0, "the drain to reach the other gateway")
+
+
+def test_access_log_line_per_request_only_when_on(fleet4: SimFleet, make_gateway: object) -> None:
+    """``server.access_log``: one ``kvgate.access`` line per routed request with its decision;
+    off (the default), none."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "log me"}], "max_tokens": 4}
+    on = make_gateway(fleet4.urls, "--set", "server.access_log=true")  # type: ignore[operator]
+    off = make_gateway(fleet4.urls)  # type: ignore[operator]
+    for gw in (on, off):
+        for stream in (False, True):
+            r = httpx.post(gw.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=30.0)
+            assert r.status_code == 200
+    wait_until(lambda: on.proc.output().count("kvgate.access") >= 2, 10.0, "two access log lines")
+    lines = [line for line in on.proc.output().splitlines() if "kvgate.access" in line]
+    assert len(lines) == 2
+    fields = dict(part.split("=", 1) for part in lines[0].split(": ", 1)[1].split())
+    assert fields["endpoint"] == "chat" and fields["status"] == "200"
+    assert fields["replica"] in fleet4.urls and fields["reason"]
+    assert int(fields["predicted_cached"]) >= 0 and int(fields["prompt"]) > 0 and float(fields["ttft_ms"]) > 0
+    assert "kvgate.access" not in off.proc.output()
