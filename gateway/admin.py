@@ -19,8 +19,11 @@ Every call needs ``Authorization: Bearer <token>`` (``admin.token``; ``kvgate se
 always has one: configured, read from ``admin.token_file``, or generated at start-up by
 ``resolve_admin_token``): none -> 401, a wrong one -> 403, compared in constant time.
 Input is validated: a replica URL is parsed (``http``/``https``, a host name or IP
-address, a valid port, no userinfo, no whitespace or control characters), else 400 with
-``param``. Unknown replicas -> 404. Every call is counted in ``kvgate_admin_requests``
+address, a valid port, no userinfo, no whitespace or control characters; no link-local
+or cloud metadata address unless ``registry.allow_link_local_replicas``), else 400 with
+``param``. A replica is known by its canonical URL (``replicas.urls``): adding another
+spelling of a known replica returns it (one entry), and remove / drain / undrain find
+it by any spelling. Unknown replicas -> 404. Every call is counted in ``kvgate_admin_requests``
 (route template, status).
 """
 from __future__ import annotations
@@ -45,6 +48,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay import json_response
 from gateway.scaling import ScaleLoop, report_json
 from gateway.settings import ConfigError, Settings
+from prefix_index.base import ReplicaId
 from replicas.model import ReplicaView
 from replicas.registry import Registry
 from replicas.urls import MAX_URL_CHARS, ReplicaUrlError, parse_replica_url
@@ -112,13 +116,24 @@ class CountedRoute(APIRoute):
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], route_class=CountedRoute)
 
 
-def validate_replica_url(url: str) -> str:
-    """``url`` if it is a usable replica base URL (``replicas.urls``), else ``InvalidRequest``."""
+def validate_replica_url(url: str, *, allow_link_local: bool = False) -> ReplicaId:
+    """The canonical id of ``url`` if it is a usable replica base URL (``replicas.urls``),
+    else ``InvalidRequest`` with the reason (link-local and metadata addresses included,
+    unless ``registry.allow_link_local_replicas``)."""
     try:
-        parse_replica_url(url)
+        return parse_replica_url(url, allow_link_local=allow_link_local)
     except ReplicaUrlError as exc:
         raise InvalidRequest(f"url: {exc}", param="url") from None
-    return url
+
+
+def replica_id(url: str) -> ReplicaId:
+    """The registry id ``url`` names, in any spelling: its canonical form, or ``url``
+    itself when it does not parse (an id the registry got some other way, e.g. from
+    shared state written by an older gateway, can still be removed or drained)."""
+    try:
+        return parse_replica_url(url, allow_link_local=True)  # a lookup adds nothing: no policy here
+    except ReplicaUrlError:
+        return ReplicaId(url)
 
 
 class ReplicaRef(BaseModel):
@@ -149,7 +164,10 @@ def registry_now(gateway: AdminGateway) -> float:
 
 
 def _known(gateway: AdminGateway, url: str) -> ReplicaView:
-    view = gateway.registry.get(url)
+    """The replica ``url`` names in any spelling (``replica_id``), else 404."""
+    view = gateway.registry.get(replica_id(url))
+    if view is None:
+        view = gateway.registry.get(url)
     if view is None:
         raise NotFound(f"unknown replica {url!r}", param="url")
     return view
@@ -165,7 +183,8 @@ async def list_replicas(request: Request) -> Response:
 @router.post("/replicas")
 async def add_replica(ref: ReplicaRef, request: Request) -> Response:
     gateway = _gateway(request)
-    view = await gateway.registry.add(validate_replica_url(ref.url))
+    allow = gateway.settings.registry.allow_link_local_replicas
+    view = await gateway.registry.add(validate_replica_url(ref.url, allow_link_local=allow))
     return json_response(view_json(view, registry_now(gateway)), 201)
 
 
@@ -173,20 +192,20 @@ async def add_replica(ref: ReplicaRef, request: Request) -> Response:
 async def remove_replica(url: str, request: Request) -> Response:
     gateway = _gateway(request)
     view = _known(gateway, url)
-    await gateway.registry.remove(url)
+    await gateway.registry.remove(view.id)
     return json_response({"removed": view.id})
 
 
 @router.post("/replicas/drain")
 async def drain_replica(body: DrainRequest, request: Request) -> Response:
     gateway = _gateway(request)
-    _known(gateway, body.url)
-    view = await gateway.registry.drain(body.url, body.deadline_s)
+    rid = _known(gateway, body.url).id
+    view = await gateway.registry.drain(rid, body.deadline_s)
     if not body.wait:
         return json_response(view_json(view, registry_now(gateway)))
     deadline_s = body.deadline_s if body.deadline_s is not None else gateway.settings.registry.drain_timeout_s
-    removed = await _wait_removed(gateway, body.url, deadline_s + WAIT_MARGIN_S)
-    current = gateway.registry.get(body.url)
+    removed = await _wait_removed(gateway, rid, deadline_s + WAIT_MARGIN_S)
+    current = gateway.registry.get(rid)
     return json_response({"url": view.id, "removed": removed,
                           "replica": None if current is None else view_json(current, registry_now(gateway))})
 
@@ -210,8 +229,8 @@ async def _wait_removed(gateway: AdminGateway, url: str, timeout_s: float) -> bo
 @router.post("/replicas/undrain")
 async def undrain_replica(ref: ReplicaRef, request: Request) -> Response:
     gateway = _gateway(request)
-    _known(gateway, ref.url)
-    return json_response(view_json(await gateway.registry.undrain(ref.url), registry_now(gateway)))
+    rid = _known(gateway, ref.url).id
+    return json_response(view_json(await gateway.registry.undrain(rid), registry_now(gateway)))
 
 
 @router.get("/config")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from replicas.urls import parse_replica_url
 
@@ -68,7 +68,16 @@ class OutlierConfig(BaseModel):
 
 
 class RegistryConfig(BaseModel):
-    replicas: list[str] = Field(default_factory=list, description="static replica URLs")
+    # declared before ``replicas``: that field's validator reads it
+    allow_link_local_replicas: bool = Field(
+        default=False,
+        description="accept link-local replica addresses (169.254.0.0/16, fe80::/10) and cloud metadata "
+        "services (169.254.169.254, fd00:ec2::254, metadata.google.internal, ...: replicas/urls.py); off, "
+        "they are refused in the config, the admin API and discovery, so no replica URL can reach the "
+        "credentials a metadata service hands out",
+    )
+    replicas: list[str] = Field(default_factory=list, description=(
+        "static replica URLs, each kept in its canonical spelling (replicas/urls.py): one replica is one entry"))
     discovery: Literal["static", "dns", "kubernetes"] = "static"
     probe_interval_s: float = Field(default=2.0, description=(
         "readiness probe of every replica this often (a self-drain or death is seen within it); "
@@ -97,11 +106,14 @@ class RegistryConfig(BaseModel):
 
     @field_validator("replicas")
     @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
-        """Every static replica is a usable http(s)://host:port URL (``replicas.urls``)."""
-        for url in urls:
-            parse_replica_url(url)  # ReplicaUrlError is a ValueError: pydantic reports it
-        return urls
+    def _urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
+        """Every static replica is a usable http(s)://host:port URL (``replicas.urls``),
+        kept canonical and once: the registry's ids, its static set and discovery all read
+        this list, so two spellings of one replica must not become two replicas."""
+        allow = bool(info.data.get("allow_link_local_replicas", False))
+        # ReplicaUrlError is a ValueError: pydantic reports it
+        canonical = [parse_replica_url(url, allow_link_local=allow) for url in urls]
+        return list(dict.fromkeys(canonical))
 
     outlier: OutlierConfig = Field(default_factory=OutlierConfig)
     probe_log_interval_s: float = Field(

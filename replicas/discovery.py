@@ -15,6 +15,9 @@ ours, no blocking call). An address that appears is added; one that vanishes is 
 has stayed absent for ``drain_timeout_s``. A lookup error keeps the current set: a DNS
 hiccup must not drain the fleet (note that a headless Service with no ready pod answers
 NXDOMAIN, which is also kept; the registry's health probes mark such replicas anyway).
+An address becomes its canonical replica id (``replicas.urls``), so a replica also added
+by hand in another spelling is one entry; a link-local or metadata address is skipped
+with a warning unless ``allow_link_local_replicas``.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from prefix_index.base import ReplicaId
 from replicas.config import RegistryConfig
 from replicas.discovery_base import Discovery, DiscoveryTarget, notify, replica_url
 from replicas.discovery_k8s import EndpointSliceDiscovery
+from replicas.urls import ReplicaUrlError, address_replica_url
 
 __all__ = ["Discovery", "DiscoveryTarget", "DnsDiscovery", "StaticDiscovery", "make_discovery", "notify",
            "replica_url", "resolve_addresses"]
@@ -70,8 +74,10 @@ class DnsDiscovery:
         remove_after_s: float = 600.0,
         resolver: Resolver = resolve_addresses,
         clock: Callable[[], float] = time.monotonic,
+        allow_link_local: bool = False,
     ) -> None:
         self._name, self._port, self._target = name, port, target
+        self._allow_link_local = allow_link_local
         self._interval_s, self._remove_after_s = interval_s, remove_after_s
         self._resolver, self._clock = resolver, clock
         self._present: set[ReplicaId] = set()
@@ -86,7 +92,7 @@ class DnsDiscovery:
                         self._name, e, len(self._present))
             return
         now = self._clock()
-        seen = {replica_url(a, self._port) for a in addresses}
+        seen = {url for a in addresses if (url := self._url(a)) is not None}
         for url in sorted(seen - self._present):
             self._absent_since.pop(url, None)
             await notify(self._target, "add", url)
@@ -98,6 +104,15 @@ class DnsDiscovery:
             if now - since >= self._remove_after_s:
                 del self._absent_since[url]
                 await notify(self._target, "remove", url)
+
+    def _url(self, address: str) -> ReplicaId | None:
+        """The canonical id of the replica at ``address`` (``replicas.urls``, the same form
+        the admin API and the config use), None when refused (link-local or metadata)."""
+        try:
+            return address_replica_url(address, self._port, allow_link_local=self._allow_link_local)
+        except ReplicaUrlError as e:
+            log.warning("dns discovery: %s answered %s, not a usable replica: %s", self._name, address, e)
+            return None
 
     async def run(self) -> None:
         while True:
@@ -113,5 +128,6 @@ def make_discovery(config: RegistryConfig, target: DiscoveryTarget) -> Discovery
         if not config.dns_name:
             raise ValueError("registry.discovery = 'dns' needs registry.dns_name")
         return DnsDiscovery(config.dns_name, config.dns_port, target,
-                            interval_s=config.dns_interval_s, remove_after_s=config.drain_timeout_s)
+                            interval_s=config.dns_interval_s, remove_after_s=config.drain_timeout_s,
+                            allow_link_local=config.allow_link_local_replicas)
     return EndpointSliceDiscovery.from_config(config, target)

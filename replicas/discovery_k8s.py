@@ -18,7 +18,8 @@ Endpoint states (merged over all slices of the Service, the best state wins):
 
 A terminating endpoint never seen ready is ignored. The URL is
 ``http://<address>:<port>`` with the slice's port named ``k8s_port_name`` (or its first
-port).
+port), in its canonical form (``replicas.urls``); a link-local or metadata address is
+skipped with a warning unless ``allow_link_local_replicas``.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ import httpx
 
 from prefix_index.base import ReplicaId
 from replicas.config import RegistryConfig
-from replicas.discovery_base import DiscoveryTarget, notify, replica_url
+from replicas.discovery_base import DiscoveryTarget, notify
+from replicas.urls import ReplicaUrlError, address_replica_url
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,18 @@ class EndpointState(enum.IntEnum):
     READY = 2
 
 
-def slice_endpoints(obj: Mapping[str, Any], port_name: str | None) -> dict[ReplicaId, EndpointState]:
+def _endpoint_url(address: str, port: int, allow_link_local: bool) -> ReplicaId | None:
+    """The canonical replica id of one endpoint address (``replicas.urls``: the admin API's
+    form too), None when refused (a link-local or metadata address, not allowed)."""
+    try:
+        return address_replica_url(address, port, allow_link_local=allow_link_local)
+    except ReplicaUrlError as e:
+        log.warning("endpointslice: address %r is not a usable replica: %s", address, e)
+        return None
+
+
+def slice_endpoints(obj: Mapping[str, Any], port_name: str | None, *,
+                    allow_link_local: bool = False) -> dict[ReplicaId, EndpointState]:
     """URL -> state of every endpoint of one EndpointSlice object."""
     ports = obj.get("ports") or []
     chosen = next((p for p in ports if port_name is None or p.get("name") == port_name), None)
@@ -115,8 +128,9 @@ def slice_endpoints(obj: Mapping[str, Any], port_name: str | None) -> dict[Repli
         else:
             state = EndpointState.NOT_READY
         for address in ep.get("addresses") or []:
-            url = replica_url(address, int(chosen["port"]))
-            out[url] = max(state, out.get(url, EndpointState.NOT_READY))
+            url = _endpoint_url(str(address), int(chosen["port"]), allow_link_local)
+            if url is not None:
+                out[url] = max(state, out.get(url, EndpointState.NOT_READY))
     return out
 
 
@@ -133,8 +147,10 @@ class EndpointSliceDiscovery:
         watch_timeout_s: int = 300,
         retry_s: float = 2.0,
         client: httpx.AsyncClient | None = None,
+        allow_link_local: bool = False,
     ) -> None:
         self._api, self._target, self._port_name = api, target, port_name
+        self._allow_link_local = allow_link_local
         self._path = SLICES_PATH.format(ns=api.namespace)
         self._selector = f"kubernetes.io/service-name={service}"
         self._watch_timeout_s, self._retry_s = watch_timeout_s, retry_s
@@ -148,7 +164,10 @@ class EndpointSliceDiscovery:
         if not config.k8s_service:
             raise ValueError("registry.discovery = 'kubernetes' needs registry.k8s_service")
         return cls(ApiServer.in_cluster(config.k8s_namespace), config.k8s_service, target,
-                   port_name=config.k8s_port_name)
+                   port_name=config.k8s_port_name, allow_link_local=config.allow_link_local_replicas)
+
+    def _endpoints(self, obj: Mapping[str, Any]) -> dict[ReplicaId, EndpointState]:
+        return slice_endpoints(obj, self._port_name, allow_link_local=self._allow_link_local)
 
     async def run(self) -> None:
         client = self._client or self._api.client(httpx.Timeout(10.0, read=self._watch_timeout_s + 30.0))
@@ -172,8 +191,7 @@ class EndpointSliceDiscovery:
         resp.raise_for_status()
         body = resp.json()
         self.relists += 1
-        self._slices = {item["metadata"]["name"]: slice_endpoints(item, self._port_name)
-                        for item in body.get("items") or []}
+        self._slices = {item["metadata"]["name"]: self._endpoints(item) for item in body.get("items") or []}
         await self._sync()
         return str(body["metadata"]["resourceVersion"])
 
@@ -197,7 +215,7 @@ class EndpointSliceDiscovery:
             raise ValueError(f"watch error: {obj.get('message')}")
         meta = obj.get("metadata") or {}
         if kind in ("ADDED", "MODIFIED"):
-            self._slices[meta["name"]] = slice_endpoints(obj, self._port_name)
+            self._slices[meta["name"]] = self._endpoints(obj)
         elif kind == "DELETED":
             self._slices.pop(meta["name"], None)
         if kind != "BOOKMARK":

@@ -131,3 +131,15 @@ def test_connection_limit_stays_below_the_open_file_limit(monkeypatch: pytest.Mo
     assert edge.connection_limit(s) == 1024 - 256 - edge.FD_MARGIN
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 65536))  # raised to what is needed
     assert edge.connection_limit(s) == 4096
+
+
+def test_replica_urls_are_canonical_and_metadata_needs_the_setting() -> None:
+    """Issue 41, item 7: spellings of one replica are one entry; a metadata service is
+    refused unless ``registry.allow_link_local_replicas`` (replicas/urls.py)."""
+    s = settings_from_args(_args("--replica", "HTTP://0x7f000001:30000/", "--replica", "http://127.0.0.1:30000"))
+    assert s.registry.replicas == ["http://127.0.0.1:30000"] and not s.registry.allow_link_local_replicas
+    with pytest.raises(ConfigError, match=r"registry\.replicas.*metadata"):
+        settings_from_args(_args("--replica", "http://metadata.google.internal"))
+    allowed = settings_from_args(_args("--replica", "http://metadata.google.internal",
+                                       "--set", "registry.allow_link_local_replicas=true"))
+    assert allowed.registry.replicas == ["http://metadata.google.internal"]
