@@ -16,6 +16,11 @@ This module adds what they need around them:
   ``response.created`` event at the head of a stream) is stored with the replica.
 - ``GET``/``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: sent to that
   replica as they are (404 as above when unknown); a successful DELETE forgets the id.
+- ownership (issue 41): the id is recorded with the tenant of the request that created
+  it (``gateway.responses_store.Tenants``), and pin, GET, DELETE and cancel by any other
+  tenant get the 404 of an id never seen, the very same body: whether an id exists is
+  not revealed to a tenant that does not own it. (The body's own ids, ``request_id`` and
+  ``rid``, are refused by ``gateway.context``: a client cannot choose a response id.)
 - ``POST /v1/messages/count_tokens``: checked like a Messages body (Anthropic's error
   shape), then sent to the least-loaded routable replica (the next one when a
   connection fails). Nothing is recorded in the prefix index: nothing is cached.
@@ -26,7 +31,7 @@ This module adds what they need around them:
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import httpx
@@ -57,7 +62,13 @@ from gateway.relay import (
     route_headers,
     upstream_headers,
 )
-from gateway.responses_store import MemoryResponsesStore, RedisResponsesStore
+from gateway.responses_store import (
+    MemoryResponsesStore,
+    RedisResponsesStore,
+    ResponsesStoreConfig,
+    Tenants,
+    owned_by,
+)
 from policies.base import RequestContext
 from prefix_index.base import ReplicaId
 from replicas.registry import Registry
@@ -94,21 +105,29 @@ class ResponsesApi:
     """Pins, records and control calls of Responses ids (see the module docstring)."""
 
     def __init__(self, store: MemoryResponsesStore | RedisResponsesStore, registry: Registry,
-                 client: httpx.AsyncClient, header_policy: HeaderPolicy) -> None:
+                 client: httpx.AsyncClient, header_policy: HeaderPolicy, tenants: Tenants | None = None) -> None:
+        """``tenants``: who owns what (default: credentials hashed under the store's key)."""
         self.store = store
         self.registry = registry
         self.client = client
         self.header_policy = header_policy
+        self.tenants = tenants if tenants is not None else Tenants(ResponsesStoreConfig(), store)
 
-    async def pin(self, ctx: RequestContext) -> ReplicaId | None:
+    async def tenant(self, headers: Mapping[str, str]) -> str:
+        """The tenant of a request (its lower-case headers)."""
+        return await self.tenants.of(headers)
+
+    async def pin(self, ctx: RequestContext, tenant: str) -> ReplicaId | None:
         """The replica a request must go to, None when it names no previous response."""
         previous = previous_response_id(ctx.payload)
         if previous is None:
             return None
-        return await self._holder(previous, "previous_response_id", routable=True)
+        return await self._holder(previous, "previous_response_id", routable=True, tenant=tenant)
 
-    async def _holder(self, response_id: str, param: str, routable: bool) -> ReplicaId:
-        replica = await self.store.get(response_id)
+    async def _holder(self, response_id: str, param: str, routable: bool, tenant: str) -> ReplicaId:
+        """The replica of a response ``tenant`` owns; another tenant's is an unknown id."""
+        entry = await self.store.get(response_id)
+        replica = entry.replica if entry is not None and owned_by(entry, tenant) else None
         view = next((v for v in self.registry.views() if v.id == replica), None)
         if replica is None or view is None:
             gone = "" if replica is None else f" (replica {replica}, which created it, has left the fleet)"
@@ -123,27 +142,28 @@ class ResponsesApi:
                 f"({view.state.value}); retry later", param=param)
         return replica
 
-    async def record(self, response: Response) -> Response:
-        """Remember which replica created the response (buffered body or stream head)."""
+    async def record(self, response: Response, tenant: str) -> Response:
+        """Remember which replica created the response (buffered body or stream head), and
+        for which tenant."""
         replica = _replica_of(response)
         if replica is None or response.status_code != 200:
             return response
         if isinstance(response, RelayResponse):
-            response.body_iterator = self._sniff(response.body_iterator, replica)
+            response.body_iterator = self._sniff(response.body_iterator, replica, tenant)
             return response
         found = _CREATED_ID.search(bytes(response.body[:SNIFF_LIMIT]))
         if found:
-            await self.store.put(found[1].decode(), replica)
+            await self.store.put(found[1].decode(), replica, tenant)
         return response
 
-    async def _sniff(self, chunks: AsyncIterator[bytes], replica: ReplicaId) -> AsyncIterator[bytes]:
+    async def _sniff(self, chunks: AsyncIterator[bytes], replica: ReplicaId, tenant: str) -> AsyncIterator[bytes]:
         head = b""
         looking = True
         async for chunk in chunks:
             if looking:
                 head += chunk
                 if found := _CREATED_ID.search(head):
-                    await self.store.put(found[1].decode(), replica)  # before the client can chain on it
+                    await self.store.put(found[1].decode(), replica, tenant)  # before the client can chain on it
                 looking = not found and len(head) < SNIFF_LIMIT
                 if not looking:
                     head = b""
@@ -153,7 +173,8 @@ class ResponsesApi:
         """GET/DELETE ``/v1/responses/{id}``, POST ``.../cancel``: on the id's replica."""
         response_id = request.path_params["response_id"]
         try:
-            replica = await self._holder(response_id, "response_id", routable=False)
+            tenant = await self.tenant(request.headers)
+            replica = await self._holder(response_id, "response_id", routable=False, tenant=tenant)
         except GatewayError as exc:
             return error_response(exc, route_headers("none", PINNED), "responses")
         client = request.client.host if request.client is not None else None

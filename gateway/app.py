@@ -65,7 +65,7 @@ from gateway.relay import (
     route_headers,
     upstream_headers,
 )
-from gateway.responses_store import make_responses_store
+from gateway.responses_store import Tenants, make_responses_store
 from gateway.router import LOCAL_SESSIONS, FleetListener, Router
 from gateway.scaling import ScaleLoop, make_annotator
 from gateway.server import RESUME_EXTENSION
@@ -136,7 +136,7 @@ class Gateway:
         self.header_policy = HeaderPolicy.from_config(settings.upstream)
         index_cfg = settings.index
         store = make_responses_store(settings.responses, index_cfg.redis_url, index_cfg.key_prefix)
-        self.responses = ResponsesApi(store, registry, client, self.header_policy)
+        self.responses = ResponsesApi(store, registry, client, self.header_policy, Tenants(settings.responses, store))
         hashing = settings.hashing
         self.fleet = FleetListener(index, policy, hashing.block_chars / hashing.chars_per_token)
         registry.add_listener(self.fleet)
@@ -187,8 +187,9 @@ class Gateway:
         except ClientDisconnect:
             log.info("client left during the upload of a %s request", endpoint)
             return self._answered(endpoint, Response(status_code=CLIENT_CLOSED), started_s)
-        try:
-            pin = await self.responses.pin(ctx) if endpoint == "responses" else None
+        try:  # a Responses request: its tenant owns what it creates and may continue only its own
+            tenant = await self.responses.tenant(headers) if endpoint == "responses" else ""
+            pin = await self.responses.pin(ctx, tenant) if endpoint == "responses" else None
         except GatewayError as exc:
             return self._answered(endpoint, error_response(exc, route_headers("none", PINNED), endpoint), started_s)
         scope = request.scope
@@ -203,7 +204,7 @@ class Gateway:
         if isinstance(response, ClosingResponse) and endpoint == "responses":
             relayed = response
             try:
-                response = await self.responses.record(relayed)
+                response = await self.responses.record(relayed, tenant)
             except BaseException:  # it will not be sent: its lease and feedback all the same
                 await relayed.abandon()
                 raise

@@ -13,6 +13,14 @@ parsed body wrapped in ``254 - 128`` lists, which fails exactly when the body is
 than 128 (~3 % of a 400 KB request's parse and hash), and is skipped for bodies too short
 to nest that deep.
 
+Ids the client may not choose (issue 41): ``rid`` and ``request_id`` become a request's
+id upstream in SGLang (``/generate``, chat and completions' ``rid``; a Responses body's
+``request_id`` is the id of the stored response it creates), so a client choosing one
+could take over another tenant's response id, or collide with another's request.
+``refuse_client_ids`` refuses them (400, ``param`` the field; ``null`` is the default
+and passes) on the full path and, in the same checks, on the later-turn path below
+(the validation of a resumed body's top-level values), so both answer alike.
+
 A coding agent's later turn re-sends its history: with the cache of earlier turns on
 (``HashingConfig.prefix_cache_entries`` / ``prefix_cache_bytes``, bodies of at least
 ``prefix_cache_min_bytes``), chat, Messages, count_tokens and Responses bodies go through
@@ -47,6 +55,7 @@ ENDPOINTS = {
     "responses": "responses", "/v1/responses": "responses",
 }
 AGENT_ENDPOINTS = agent_api.ENDPOINTS  # messages, count_tokens, responses: validated by gateway.api_agents
+CLIENT_ID_FIELDS = ("rid", "request_id")  # ids an upstream takes as its own: refused in every body
 MAX_KEY_CHARS = 128  # longer session keys / request ids are replaced by a digest
 MAX_JSON_DEPTH = 128  # arrays/objects nested deeper are refused (see the module docstring)
 _ORJSON_MAX_DEPTH = 254  # orjson.dumps raises beyond this
@@ -205,6 +214,15 @@ def check_depth(document: Any) -> bytes:
         raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from exc
 
 
+def refuse_client_ids(data: Mapping[str, Any]) -> None:
+    """Raise ``InvalidRequest`` when the body chooses an id the replica would take as its
+    own (``CLIENT_ID_FIELDS``): the gateway never lets one tenant name another's response
+    or request. A top-level key lookup: cheap on every path."""
+    for name in CLIENT_ID_FIELDS:
+        if data.get(name) is not None:
+            raise InvalidRequest(f"'{name}' is chosen by the server; a request may not set it", param=name)
+
+
 def _optional_int(data: Mapping[str, Any], name: str) -> int | None:
     value = data.get(name)
     if value is None:
@@ -319,6 +337,7 @@ def build_context(
             return _context(kind, headers, cfg, done.model, done.session_field, done.hashes, done.chars, None,
                             done.short_raw, done.max_tokens, done.stream, "", done.payload)
     data = _parse(body)
+    refuse_client_ids(data)
     model = agent_api.check(kind, data) if kind in AGENT_ENDPOINTS else _model(data)
     max_tokens, stream = _max_tokens(kind, data), _stream(data)
     try:
@@ -387,6 +406,7 @@ def _validate_turn(kind: str) -> context_turns.Validate:
     def validate(parsed: Any, top: dict[str, Any], cached: int, skeleton: bytes
                  ) -> tuple[str, int | None, bool, bool]:
         spelled = check_depth(parsed) if len(skeleton) >= 2 * MAX_JSON_DEPTH else b""
+        refuse_client_ids(top)  # (a hit of an Outer reuses an accepted body's top level: checked then)
         if kind in AGENT_ENDPOINTS:
             model = agent_api.check(kind, top, cached)
         else:

@@ -27,7 +27,17 @@ from gateway.relay import (
     usage_of,
     usage_of_body,
 )
-from gateway.responses_store import MemoryResponsesStore, ResponsesStoreConfig, make_responses_store
+from gateway.responses_store import (
+    ANONYMOUS,
+    MemoryResponsesStore,
+    ResponsesStoreConfig,
+    Stored,
+    Tenants,
+    decode_entry,
+    encode_entry,
+    make_responses_store,
+    owned_by,
+)
 from policies.base import RequestContext
 from prefix_index.base import ReplicaId
 from replicas.model import ReplicaState, ReplicaView
@@ -99,27 +109,63 @@ def test_sniffer_merges_message_start_and_delta_at_any_split() -> None:
 async def test_memory_store_is_a_bounded_lru_with_expiry() -> None:
     now = [0.0]
     store = MemoryResponsesStore(max_entries=2, ttl_s=10.0, clock=lambda: now[0])
-    await store.put("resp_a", ReplicaId("r1"))
-    await store.put("resp_b", ReplicaId("r2"))
-    assert await store.get("resp_a") == "r1"  # a is now the most recent
-    await store.put("resp_c", ReplicaId("r3"))
+    await store.put("resp_a", ReplicaId("r1"), "t")
+    await store.put("resp_b", ReplicaId("r2"), "t")
+    assert await store.get("resp_a") == Stored(ReplicaId("r1"), "t")  # a is now the most recent
+    await store.put("resp_c", ReplicaId("r3"), "t")
     assert await store.get("resp_b") is None and len(store) == 2
     now[0] = 11.0
     assert await store.get("resp_a") is None and await store.get("resp_c") is None
-    await store.put("resp_d", ReplicaId("r1"))
+    await store.put("resp_d", ReplicaId("r1"), "t")
     await store.delete("resp_d")
     assert await store.get("resp_d") is None
+
+
+async def test_memory_store_keeps_the_first_owner_of_an_id() -> None:
+    """A reused id (a replica echoing a client's choice) never moves another tenant's pin."""
+    store = MemoryResponsesStore(10, 60.0)
+    await store.put("resp_a", ReplicaId("r1"), "alice")
+    await store.put("resp_a", ReplicaId("r2"), "bob")
+    assert await store.get("resp_a") == Stored(ReplicaId("r1"), "alice")
+    await store.put("resp_a", ReplicaId("r3"), "alice")  # the owner itself may move it
+    assert await store.get("resp_a") == Stored(ReplicaId("r3"), "alice")
+
+
+def test_entries_decode_old_values_as_owned_by_nobody() -> None:
+    assert decode_entry(encode_entry(ReplicaId("http://a"), "k:1")) == Stored(ReplicaId("http://a"), "k:1")
+    for old in (b"http://a", "http://a", b'{"replica": "http://a"}', b"[1]"):
+        entry = decode_entry(old)
+        assert entry.tenant is None and not owned_by(entry, ANONYMOUS)
 
 
 async def test_redis_store_degrades_to_its_local_copy() -> None:
     store = make_responses_store(ResponsesStoreConfig(redis_timeout_s=0.05), "redis://127.0.0.1:9/0", "t")
     try:
-        await store.put("resp_a", ReplicaId("r1"))  # Redis refuses: kept locally, counted
-        assert await store.get("resp_a") == "r1"
+        await store.put("resp_a", ReplicaId("r1"), "t")  # Redis refuses: kept locally, counted
+        assert await store.get("resp_a") == Stored(ReplicaId("r1"), "t")
         assert await store.get("resp_other") is None
-        assert getattr(store, "degraded_total", 0) >= 2
+        key, final = await store.tenant_key()  # this process's own key, asked again later
+        assert not final and len(key) == 32
+        assert getattr(store, "degraded_total", 0) >= 3
     finally:
         await store.close()
+
+
+async def test_tenants_hash_credentials_and_never_keep_them() -> None:
+    store = MemoryResponsesStore(10, 60.0)
+    tenants = Tenants(ResponsesStoreConfig(), store)
+    a = await tenants.of({"authorization": "Bearer sk-a"})
+    assert a.startswith("k:") and "sk-a" not in a and a == await tenants.of({"authorization": "Bearer sk-a"})
+    assert a != await tenants.of({"authorization": "Bearer sk-b"})
+    assert a != await tenants.of({"x-api-key": "Bearer sk-a"})  # which header carried it counts
+    assert await tenants.of({}) == ANONYMOUS == await tenants.of({"authorization": ""})
+    other = Tenants(ResponsesStoreConfig(), MemoryResponsesStore(10, 60.0))  # another process: another key
+    assert a != await other.of({"authorization": "Bearer sk-a"})
+    keyed = ResponsesStoreConfig(tenant_hash_key="s3cret", tenant_header="X-Tenant")
+    one, two = Tenants(keyed, store), Tenants(keyed, MemoryResponsesStore(10, 60.0))
+    assert await one.of({"authorization": "k"}) == await two.of({"authorization": "k"})  # a configured key
+    assert (await one.of({"x-tenant": "acme", "authorization": "k"})
+            == await one.of({"x-tenant": "acme"}) != await one.of({"authorization": "k"}))
 
 
 class _Views:
@@ -141,18 +187,37 @@ async def test_pin_answers_for_every_state_of_the_creator() -> None:
     registry = _Views(ReplicaView(up, ReplicaState.ACTIVE), ReplicaView(sick, ReplicaState.UNHEALTHY))
     async with httpx.AsyncClient() as client:
         api = ResponsesApi(store, cast(Registry, registry), client, HeaderPolicy())
-        await store.put("resp_up", up)
-        await store.put("resp_sick", sick)
-        await store.put("resp_gone", ReplicaId("http://c"))
-        assert await api.pin(_ctx(None)) is None
-        assert await api.pin(_ctx("resp_up")) == up
+        await store.put("resp_up", up, "me")
+        await store.put("resp_sick", sick, "me")
+        await store.put("resp_gone", ReplicaId("http://c"), "me")
+        assert await api.pin(_ctx(None), "me") is None
+        assert await api.pin(_ctx("resp_up"), "me") == up
         with pytest.raises(GatewayError) as err:
-            await api.pin(_ctx("resp_sick"))
+            await api.pin(_ctx("resp_sick"), "me")
         assert (err.value.status, err.value.code) == (503, "previous_response_replica_unavailable")
         for rid, words in (("resp_gone", "left the fleet"), ("resp_never", "not found")):
             with pytest.raises(GatewayError) as err:
-                await api.pin(_ctx(rid))
+                await api.pin(_ctx(rid), "me")
             assert (err.value.status, err.value.code) == (404, "previous_response_not_found") and words in str(err.value)
+
+
+async def test_another_tenant_gets_the_404_of_an_unknown_id() -> None:
+    """Same status, code and message as an id never seen (the id's own name aside)."""
+    store = MemoryResponsesStore(10, 60.0)
+    up = ReplicaId("http://a")
+    async with httpx.AsyncClient() as client:
+        api = ResponsesApi(store, cast(Registry, _Views(ReplicaView(up, ReplicaState.ACTIVE))), client, HeaderPolicy())
+        await store.put("resp_mine", up, "alice")
+        await store.put("resp_nobody", up, "")
+        store.put_local("resp_old", Stored(up, None))  # written before ownership: nobody's
+        assert await api.pin(_ctx("resp_mine"), "alice") == up
+        answers = []
+        for rid, tenant in (("resp_mine", "bob"), ("resp_mine", ANONYMOUS), ("resp_nobody", ""),
+                            ("resp_old", ANONYMOUS), ("resp_xxxx", "alice")):
+            with pytest.raises(GatewayError) as err:
+                await api.pin(_ctx(rid), tenant)
+            answers.append((err.value.status, err.value.code, str(err.value).replace(rid, "ID")))
+        assert len(set(answers)) == 1 and answers[0][:2] == (404, "previous_response_not_found")
 
 
 def test_client_credentials_are_not_forwarded() -> None:

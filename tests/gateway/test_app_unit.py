@@ -313,3 +313,36 @@ async def test_drain_remaining_on_the_registry_clock_and_admin_calls_counted() -
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
     assert 'kvgate_admin_requests_total{route="/admin/replicas",status="400"} 1.0' in metrics
     assert 'kvgate_admin_requests_total{route="/admin/replicas/drain",status="200"} 1.0' in metrics
+
+
+def stored_responses(request: httpx.Request) -> httpx.Response:
+    """A replica with one stored response: creating it, then reading, cancelling, deleting it."""
+    if request.method == "POST" and request.url.path == "/v1/responses":
+        return reply(200, {"id": "resp_unit1", "object": "response", "status": "completed", "output": []})
+    return reply(200, {"id": "resp_unit1", "object": "response", "status": "completed"})
+
+
+async def test_a_trusted_tenant_header_names_the_owner() -> None:
+    """With ``responses.tenant_header`` set (an authenticating proxy in front sets it), the
+    header, not the key, is the tenant; without it the credential is; another tenant's id
+    is the 404 of an unknown one, and nothing of it reaches the replica."""
+    fleet = FakeFleet({A: stored_responses})
+    s = settings_for([A], responses={"tenant_header": "X-Tenant", "tenant_hash_key": "unit-key"})
+    async with gateway(fleet, s) as client:
+        made = await client.post("/v1/responses", json={"model": "m", "input": "x"},
+                                 headers={"x-tenant": "acme", "authorization": "Bearer k1"})
+        assert made.status_code == 200 and made.json()["id"] == "resp_unit1"
+        same_tenant = await client.get("/v1/responses/resp_unit1", headers={"x-tenant": "acme",
+                                                                            "authorization": "Bearer other"})
+        assert same_tenant.status_code == 200
+        seen = len(fleet.seen)
+        unknown = await client.get("/v1/responses/resp_unit2", headers={"x-tenant": "acme"})
+        for headers in ({"x-tenant": "globex"}, {"authorization": "Bearer k1"}, {"authorization": ""}):
+            for method, path in (("GET", "/v1/responses/resp_unit1"), ("DELETE", "/v1/responses/resp_unit1"),
+                                 ("POST", "/v1/responses/resp_unit1/cancel")):
+                r = await client.request(method, path, headers=headers)
+                assert (r.status_code, r.text.replace("unit1", "unit2")) == (404, unknown.text), (method, headers)
+            r = await client.post("/v1/responses", json={"model": "m", "input": "x",
+                                                         "previous_response_id": "resp_unit1"}, headers=headers)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
+        assert len(fleet.seen) == seen  # no stranger's call reached the replica

@@ -299,3 +299,27 @@ def test_request_ids_are_unique_and_a_forked_process_has_its_own() -> None:
     os.waitpid(pid, 0)
     os.close(read)
     assert child[:16] != ids[0][:16] and child not in ids
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        ("generate", {"text": "hello"}),
+        ("completions", {"prompt": "hello"}),
+        ("chat", chat()),
+        ("messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}),
+        ("responses", {"model": "m", "input": "x"}),
+    ],
+)
+@pytest.mark.parametrize("field", ["rid", "request_id"])
+def test_client_chosen_upstream_ids_are_refused(endpoint: str, body: dict[str, Any], field: str) -> None:
+    """``rid`` / ``request_id`` would become the request's or the stored response's id
+    upstream (issue 41: B sending A's response id as its request_id re-pinned it): 400 in
+    the API's own shape, whatever the value; ``null`` (the default) passes."""
+    for value in ("resp_victim", ["a", "b"], 3):
+        with pytest.raises(InvalidRequest) as err:
+            ctx_of({**body, field: value}, endpoint)
+        assert err.value.status == 400 and err.value.param == field
+        shape = err.value.body("anthropic" if endpoint == "messages" else "openai")
+        assert shape["error"]["type"] == "invalid_request_error"
+    assert ctx_of({**body, field: None}, endpoint).payload[field] is None

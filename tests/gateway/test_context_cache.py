@@ -319,3 +319,27 @@ def test_changed_surroundings_with_the_same_messages(kind: str) -> None:
                 body = body_of(kind, items + items[:more], {}, style)
                 doc = orjson.loads(body) | extra
                 same(kind, orjson.dumps(doc), {"x-kvgate-session": "c"}, cfg)
+
+
+# ---- ids a client may not choose (issue 41): refused on the cached path as on the full one
+@pytest.mark.parametrize("kind", ["chat", "messages", "responses"])
+@pytest.mark.parametrize("field", ["rid", "request_id"])
+def test_client_chosen_ids_are_refused_with_a_cached_prefix(kind: str, field: str) -> None:
+    """A later turn that adds ``rid``/``request_id`` beside cached messages, before or after
+    the list, or that keeps an accepted body's surroundings: 400 exactly as the full path."""
+    cfg = cached()
+    items: list[Any] = [{"role": "user", "content": "a " * 300}, {"role": "assistant", "content": "b " * 300}]
+    if kind == "responses":
+        items = [{"type": "message", **m} for m in items]
+    headers = {"x-kvgate-session": "ids"}
+    for style in (0, 1):
+        same(kind, body_of(kind, items, {}, style), headers, cfg)  # cached, accepted
+        more = items + [{"type": "message", "role": "user", "content": "c " * 50} if kind == "responses"
+                        else {"role": "user", "content": "c " * 50}]
+        for value in ("resp_victim", "x", 7):
+            got = same(kind, body_of(kind, more, {field: value}, style), headers, cfg)
+            assert got[:3] == ("InvalidRequest", 400, field)
+        assert isinstance(same(kind, body_of(kind, more, {field: None}, style), headers, cfg), dict)
+        assert isinstance(same(kind, body_of(kind, more, {}, style), headers, cfg), dict)
+    cache = cfg.hashing.context_cache()
+    assert cache is not None and cache.hits > 0
