@@ -26,6 +26,7 @@ before it connects, never pass for an empty cache.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import uuid
@@ -45,8 +46,14 @@ from prefix_index.base import PrefixMatch, ReplicaId
 from prefix_index.config import IndexConfig
 from prefix_index.event_lease import EventLease, RelayEntry
 from prefix_index.precise import EventBlockIndex, to_prefix_match
-from replicas.kv_events import PublisherEndpoint, decode_batch, publishers
-from replicas.kv_subscriber import EventSink, IndexSink, KvEventSubscriber, RelaySink
+from replicas.kv_events import KvEventError, PublisherEndpoint, decode_batch, publishers
+from replicas.kv_subscriber import (
+    APPLY_SLICE_HASHES,
+    EventSink,
+    IndexSink,
+    KvEventSubscriber,
+    RelaySink,
+)
 from replicas.model import ReplicaState, ReplicaView
 
 log = logging.getLogger("kvgate.precise")
@@ -81,9 +88,13 @@ class _Replica:
 class MeteredSink(IndexSink):
     """``IndexSink`` that also counts into the gateway's metrics."""
 
-    def __init__(self, index: EventBlockIndex, metrics: GatewayMetrics | None) -> None:
-        super().__init__(index)
+    def __init__(self, index: EventBlockIndex, metrics: GatewayMetrics | None,
+                 slice_hashes: int = APPLY_SLICE_HASHES) -> None:
+        super().__init__(index, slice_hashes)
         self.metrics = metrics
+        self.on_cleared: Callable[[], None] | None = None
+        """Told after an ``AllBlocksCleared`` (it makes an uncertain replica certain again: the
+        gauges of replicas by mode must show it without waiting for another incident)."""
 
     async def apply(self, endpoint: PublisherEndpoint, batch: Any) -> None:
         await super().apply(endpoint, batch)
@@ -92,6 +103,8 @@ class MeteredSink(IndexSink):
             cleared = sum(1 for e in batch.events if type(e).__name__ == "AllBlocksCleared")
             if cleared:
                 self.metrics.kv_stream("cleared", cleared)
+                if self.on_cleared is not None:
+                    self.on_cleared()
 
 
 def http_fetcher(client: httpx.AsyncClient, timeout_s: float = INFO_TIMEOUT_S) -> InfoFetcher:
@@ -120,7 +133,8 @@ class PreciseMode:
         self.fetch_info = fetch_info
         self.metrics = metrics
         self.index = index or EventBlockIndex()
-        self.sink = MeteredSink(self.index, metrics)
+        self.sink = MeteredSink(self.index, metrics, config.event_apply_slice_hashes)
+        self.sink.on_cleared = self._gauges
         self.replay_timeout_s = replay_timeout_s
         self.context = zmq.asyncio.Context()
         self._replicas: dict[ReplicaId, _Replica] = {}
@@ -186,7 +200,7 @@ class PreciseMode:
             return False  # removed meanwhile
         if info is None:
             return replica in self._replicas
-        endpoints = tuple(publishers(replica, info))
+        endpoints = self._endpoints(replica, info)
         identity = repr(info.get("startup_time")) + repr(info.get("launch_command"))
         current = self._replicas.get(replica)
         if current is not None and current.endpoints == endpoints and current.identity == identity:
@@ -210,18 +224,40 @@ class PreciseMode:
                  ", bigram" if state.bigram else "")
         return True
 
+    def _endpoints(self, replica: ReplicaId, info: Mapping[str, Any]) -> tuple[PublisherEndpoint, ...]:
+        """The replica's publishers; none (approximate, a WARNING) for an advertisement refused
+        (``index.event_max_dp_size`` exceeded, ports out of range, a malformed block size)."""
+        try:
+            return tuple(publishers(replica, info, self.config.event_max_dp_size))
+        except KvEventError as exc:
+            log.warning("precise mode refused for %s: %s; routed approximately", replica, exc)
+            return ()
+
     def _subscribe(self, state: _Replica, sink: EventSink, after: Mapping[int, int]) -> list[asyncio.Task[None]]:
-        """Start one subscriber per DP rank (its tracker expecting ``after[rank] + 1`` when known)."""
+        """Start one supervised subscriber per DP rank (its tracker expecting ``after[rank] + 1``
+        when known): restarted after any failure, its replica approximate until live again."""
         started = []
+        cfg = self.config
         for ep in state.endpoints:
             sub = KvEventSubscriber(ep, sink, self.context, replay_timeout_s=self.replay_timeout_s,
-                                    on_incident=self._incident, on_live=self._gauges)
+                                    on_incident=self._incident, on_live=self._gauges,
+                                    on_stopped=functools.partial(self._stopped, ep.replica),
+                                    max_message_bytes=cfg.event_max_message_bytes,
+                                    receive_hwm=cfg.event_receive_hwm_messages,
+                                    restart_backoff_min_s=cfg.event_restart_backoff_min_s,
+                                    restart_backoff_max_s=cfg.event_restart_backoff_max_s)
             if ep.dp_rank in after:
                 sub.tracker.expected = after[ep.dp_rank] + 1
             state.subscribers.append(sub)
-            started.append(self._spawn(sub.run(), f"kv-events {ep.endpoint}"))
+            started.append(self._spawn(sub.supervise(), f"kv-events {ep.endpoint}"))
         state.tasks += started
         return started
+
+    def _stopped(self, replica: str, reason: str) -> None:
+        """A subscriber stopped (it logged why): counted, and the gauges show the replica joining."""
+        if self.metrics is not None:
+            self.metrics.kv_subscriber_restarts.labels(replica).inc()
+        self._gauges()
 
     async def _coordinate(self, replica: ReplicaId, state: _Replica, lease: EventLease) -> None:
         """Hold the lease and subscribe, or follow the holder's relay stream; hand over on lapse."""
@@ -267,7 +303,13 @@ class PreciseMode:
         if ep is None:
             return
         if entry.kind == "batch":
-            await self.sink.apply(ep, decode_batch(entry.seq, entry.payload))
+            try:
+                batch = decode_batch(entry.seq, entry.payload)
+            except KvEventError as exc:  # a relayed batch is re-encoded by the holder; still never fatal
+                log.warning("precise mode: relayed batch for %s undecodable: %s", state.endpoints[0].replica, exc)
+                self._incident("decode_error")
+                return
+            await self.sink.apply(ep, batch)
         elif entry.kind == "lost":
             await self.sink.lost(ep, entry.seq, entry.seq)
         elif entry.kind == "restart":

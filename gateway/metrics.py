@@ -46,6 +46,11 @@ KV_EVENT_OUTCOMES = ("gap", "healed", "lost", "restart", "cleared", "decode_erro
 DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 HIT_RATIO_WINDOW = 256  # requests in the "recent" cache hit ratio
 # causes of kvgate_upstream_retries_total (gateway/proxy.py's table); children made up front
+# every child of a labelled counter with a fixed vocabulary exists from start-up, at 0, so a
+# dashboard panel or an alert's rate() shows 0 rather than "No data" until the first event
+CLOSE_REASONS = ("idle", "header_timeout", "body_timeout", "evicted")  # kvgate_client_connections_closed_total
+REJECT_REASONS = ("connection_cap", "concurrency_cap", "shutting_down")  # kvgate_requests_rejected_total
+SCALE_STAGES = ("index", "annotate", "tick")  # kvgate_scale_errors_total
 CALLBACK_OUTCOMES = ("answered", "handed_over", "client_left", "cut")  # kvgate_callback_path_requests_total
 RETRY_REASONS = ("connect", "disconnect", "head_timeout", "first_byte_timeout", "status_429", "status_503",
                  "status_5xx")
@@ -124,6 +129,8 @@ class GatewayMetrics:
             self.policy_errors.labels(hook)
         self.scale_errors = Counter("kvgate_scale_errors", "Scale loop failures, by stage (index, annotate, tick)",
                                     ["stage"], registry=r)
+        for stage in SCALE_STAGES:
+            self.scale_errors.labels(stage)
         # client edge (gateway/server.py): connections and requests refused or closed by a bound
         self.client_connections = Gauge("kvgate_client_connections", "Open client connections", registry=r)
         self.client_connections_closed = Counter(
@@ -133,6 +140,10 @@ class GatewayMetrics:
         self.requests_rejected = Counter(
             "kvgate_requests_rejected", "Requests refused before routing, by cause (connection_cap, "
             "concurrency_cap, shutting_down)", ["reason"], registry=r)
+        for reason in CLOSE_REASONS:
+            self.client_connections_closed.labels(reason)
+        for reason in REJECT_REASONS:
+            self.requests_rejected.labels(reason)
         self.streams_cut_at_shutdown = Counter(
             "kvgate_streams_cut_at_shutdown", "Streams still open at the end of the shutdown grace (ended "
             "with an SSE error event)", registry=r)
@@ -157,6 +168,10 @@ class GatewayMetrics:
             "decode_error)", ["outcome"], registry=r)
         for outcome in KV_EVENT_OUTCOMES:
             self.kv_event_streams.labels(outcome)
+        self.kv_subscriber_restarts = Counter(
+            "kvgate_kv_subscriber_restarts", "KV-event subscribers restarted after they stopped (an exception, "
+            "a socket failure); the replica is routed approximately until its stream is live again",
+            ["replica"], registry=r)
         self.precise_replicas = Gauge("kvgate_precise_replicas",
                                       "Replicas with KV events, by state (precise; uncertain: a batch lost; joining: streams not live yet)",
                                       ["state"], registry=r)

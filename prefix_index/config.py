@@ -37,6 +37,36 @@ class IndexConfig(BaseModel):
         description="precise mode on Redis: a gateway holds a replica's event stream for this long unless it "
                     "renews (every third of it); another gateway takes over when it lapses",
     )
+    event_max_message_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024,
+        description="precise mode: the largest KV-event message part a subscriber accepts (ZMQ_MAXMSGSIZE, "
+                    "bytes); a larger one drops the publisher's connection (its batches then show as a gap)",
+    )
+    event_receive_hwm_messages: int = Field(
+        default=256, ge=1,
+        description="precise mode: KV-event messages queued per subscriber socket before ZMQ drops more "
+                    "(ZMQ_RCVHWM, messages); memory is bounded by this times event_max_message_bytes",
+    )
+    event_max_dp_size: int = Field(
+        default=64, ge=1,
+        description="precise mode: a replica advertising more DP ranks (publisher sockets) than this is "
+                    "refused (routed approximately, a WARNING logged) instead of binding a socket per rank",
+    )
+    event_apply_slice_hashes: int = Field(
+        default=4096, ge=1,
+        description="precise mode: page hashes applied to the index before yielding to the event loop "
+                    "(hashes), so a huge batch never stalls the requests being served",
+    )
+    event_restart_backoff_min_s: float = Field(
+        default=0.5, gt=0,
+        description="precise mode: first delay before restarting a stopped KV-event subscriber (seconds); "
+                    "doubled on each consecutive stop",
+    )
+    event_restart_backoff_max_s: float = Field(
+        default=30.0, gt=0,
+        description="precise mode: the cap of the subscriber restart delay (seconds); a subscriber that ran "
+                    "this long before stopping restarts after the first delay again",
+    )
     redis_url: str | None = Field(default=None, description="redis://host:port/db; selects the Redis backend")
     key_prefix: str = Field(default="kvgate", description="Redis key prefix, so several fleets share one Redis")
     session_ttl_s: float = Field(default=3600.0, description="forget a session this long after its last turn")

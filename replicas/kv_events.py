@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
 import msgspec
@@ -75,8 +75,13 @@ class EventBatch:
     events: tuple[Event, ...]
 
 
+def _is_int(value: Any) -> TypeGuard[int]:
+    """msgpack integers only: a bool is an int to Python but never a hash, size or rank."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
         raise KvEventError(f"{what} must be a list of integers")
     return tuple(value)
 
@@ -89,35 +94,57 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _medium(value: Any) -> str:
-    return value if isinstance(value, str) and value else GPU
+    """A storage tier name; missing (nil) means GPU. Any other type is a malformed event, not
+    GPU: guessing the tier of a page would put it in the wrong table of the index."""
+    if value is None or value == "":
+        return GPU
+    if not isinstance(value, str):
+        raise KvEventError(f"medium must be a string, got {type(value).__name__}")
+    return value
+
+
+def _parent(value: Any) -> int | None:
+    if value is None or _is_int(value):
+        return value
+    raise KvEventError(f"parent_block_hash must be an integer or nil, got {type(value).__name__}")
+
+
+def _block_size(value: Any) -> int:
+    """A page size in tokens (nil: unknown, 0). Checked here, since ``int("abc")`` raising a
+    ValueError out of the decoder once killed the subscriber's task (issue 41)."""
+    if value is None:
+        return 0
+    if not _is_int(value) or value < 0:
+        raise KvEventError(f"block_size must be a non-negative integer, got {value!r:.40}")
+    return int(value)
+
+
+def _stored(hashes: Any, parent: Any, token_ids: Any, block_size: Any, medium: Any) -> BlockStored:
+    return BlockStored(_ints(hashes, "block_hashes"), _parent(parent), _token_ids(token_ids),
+                       _block_size(block_size), _medium(medium))
 
 
 def _event_from_map(raw: dict[str, Any]) -> Event:
     kind = raw.get("type")
     if kind == "BlockStored":
-        parent = raw.get("parent_block_hash")
-        return BlockStored(_ints(raw.get("block_hashes"), "block_hashes"),
-                           parent if isinstance(parent, int) else None, _token_ids(raw.get("token_ids")),
-                           int(raw.get("block_size") or 0), _medium(raw.get("medium")))
+        return _stored(raw.get("block_hashes"), raw.get("parent_block_hash"), raw.get("token_ids"),
+                       raw.get("block_size"), raw.get("medium"))
     if kind == "BlockRemoved":
         return BlockRemoved(_ints(raw.get("block_hashes"), "block_hashes"), _medium(raw.get("medium")))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise KvEventError(f"unknown event type {kind!r}")
+    raise KvEventError(f"unknown event type {kind!r:.40}")
 
 
 def _event_from_array(raw: list[Any]) -> Event:
     kind = raw[0] if raw else None
     if kind == "BlockStored" and len(raw) >= 5:
-        parent = raw[2]
-        medium = raw[6] if len(raw) > 6 else None
-        return BlockStored(_ints(raw[1], "block_hashes"), parent if isinstance(parent, int) else None,
-                           _token_ids(raw[3]), int(raw[4] or 0), _medium(medium))
+        return _stored(raw[1], raw[2], raw[3], raw[4], raw[6] if len(raw) > 6 else None)
     if kind == "BlockRemoved" and len(raw) >= 2:
         return BlockRemoved(_ints(raw[1], "block_hashes"), _medium(raw[2] if len(raw) > 2 else None))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise KvEventError(f"unknown positional event {kind!r}")
+    raise KvEventError(f"unknown positional event {kind!r:.40}")
 
 
 def decode_event(raw: Any) -> Event:
@@ -129,16 +156,28 @@ def decode_event(raw: Any) -> Event:
 
 
 def decode_batch(seq: int, payload: bytes) -> EventBatch:
-    """One batch from its msgpack payload (``seq`` from the frame before it)."""
+    """One batch from its msgpack payload (``seq`` from the frame before it).
+
+    Every value is type-checked, so anything malformed raises ``KvEventError`` and nothing
+    else: the subscriber counts it as a decode error and skips the whole batch (one bad event
+    makes the batch's other events suspect too). Its seq is then missing: the next batch shows
+    a gap, replayed or else marking the replica uncertain (routed approximately), since the
+    index no longer knows what the skipped batch changed."""
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise KvEventError(f"not msgpack: {exc}") from exc
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise KvEventError("a batch is [ts, events, attn_dp_rank]")
-    rank = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else 0
-    ts = float(raw[0]) if isinstance(raw[0], (int, float)) else 0.0
-    return EventBatch(seq, ts, rank, tuple(decode_event(e) for e in raw[1]))
+    rank = raw[2] if len(raw) > 2 else 0
+    if rank is None:
+        rank = 0
+    if not _is_int(rank) or rank < 0:
+        raise KvEventError(f"attn_dp_rank must be a non-negative integer, got {rank!r:.40}")
+    ts = raw[0]
+    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
+        raise KvEventError(f"ts must be a number, got {type(ts).__name__}")
+    return EventBatch(seq, float(ts or 0.0), rank, tuple(decode_event(e) for e in raw[1]))
 
 
 def decode_seq(frame: bytes, *, signed: bool = False) -> int:
@@ -226,27 +265,42 @@ def _host_of(replica_url: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def publishers(replica_url: str, server_info: Any) -> list[PublisherEndpoint]:
-    """The publisher endpoints a replica advertises in ``/server_info.kv_events`` (none: [])."""
+def _ranks(dp_size: Any, max_dp_size: int | None) -> int:
+    """The number of DP ranks (publisher sockets) to subscribe to: one socket each, so an
+    unbounded advertisement (a ``dp_size`` of 200 once made a gateway bind ~190 sockets) is
+    refused rather than honoured."""
+    ranks = dp_size if _is_int(dp_size) and dp_size > 0 else 1
+    if max_dp_size is not None and ranks > max_dp_size:
+        raise KvEventError(f"dp_size {ranks} exceeds the bound of {max_dp_size} (index.event_max_dp_size)")
+    return int(ranks)
+
+
+def publishers(replica_url: str, server_info: Any, max_dp_size: int | None = None) -> list[PublisherEndpoint]:
+    """The publisher endpoints a replica advertises in ``/server_info.kv_events`` (none: []).
+
+    Raises ``KvEventError`` for an advertisement the gateway refuses (more than ``max_dp_size``
+    ranks, a port past 65535, a non-integer block size): the replica is then routed approximately."""
     info = server_info.get("kv_events") if isinstance(server_info, dict) else None
     if not isinstance(info, dict) or info.get("publisher") != "zmq":
         return []
     base = info.get("endpoint_port_base")
-    if not isinstance(base, int) or base <= 0:
+    if not _is_int(base) or base <= 0:
         return []
     host = str(info.get("endpoint_host") or "*")
     wildcard = host in WILDCARD_HOSTS
     target = _host_of(replica_url) if wildcard else (f"[{host}]" if ":" in host else host)
-    dp_size = info.get("dp_size")
-    ranks = dp_size if isinstance(dp_size, int) and dp_size > 0 else 1
-    replay = info.get("replay_endpoint_port_base")
+    ranks = _ranks(info.get("dp_size"), max_dp_size)
+    advertised = info.get("replay_endpoint_port_base")
+    replay: int | None = advertised if _is_int(advertised) and advertised > 0 else None
+    if base + ranks - 1 > 65535 or (replay is not None and replay + ranks - 1 > 65535):
+        raise KvEventError(f"publisher ports from {base} for {ranks} rank(s) exceed 65535")
     topic = str(info.get("topic") or "").encode()
-    block = int(info.get("block_size") or 0)
+    block = _block_size(info.get("block_size"))
     return [
         PublisherEndpoint(
             replica=replica_url.rstrip("/"), dp_rank=r, endpoint=f"tcp://{target}:{base + r}",
             bind=not wildcard, topic=topic, block_size=block,
-            replay_endpoint=f"tcp://{target}:{replay + r}" if isinstance(replay, int) and replay > 0 else None,
+            replay_endpoint=f"tcp://{target}:{replay + r}" if replay is not None else None,
         )
         for r in range(ranks)
     ]

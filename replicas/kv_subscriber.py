@@ -25,7 +25,17 @@ Per message (``replicas.kv_events``):
     seq went back         -> sink.restarted(...) (the replica restarted: drop its entries);
                              its batches before this one replayed as for a gap; apply
     the last seq again    -> ignored (a duplicate)
-    undecodable           -> counted in ``decode_errors``, skipped
+    undecodable           -> counted in ``decode_errors``, skipped (any malformed value:
+                             ``decode_batch`` raises nothing but ``KvEventError``); its seq
+                             is then missing, a gap at the next batch
+    connection dropped    -> ``StreamDropped``: not live, rejoined by ``supervise()``
+
+A hostile or broken stream can neither kill nor stall this consumer: messages are bounded
+in size (``ZMQ_MAXMSGSIZE``) and in number queued (``ZMQ_RCVHWM``); ``supervise()`` runs
+``run()`` again, with capped exponential backoff, after it stopped for any reason, clearing
+``live`` at once so the replica is routed approximately meanwhile (a frozen index never
+passes for a precise one); and ``IndexSink`` applies a batch in slices, yielding to the event
+loop between them, so requests keep being served whatever the event rate.
 
 A publisher with a wildcard host binds and we connect; with a concrete host it connects
 and we bind (``PublisherEndpoint.bind``).
@@ -61,6 +71,11 @@ from replicas.kv_events import (
 
 log = logging.getLogger("replicas.kv_events")
 BIND_RETRY_S = 5.0
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # defaults of ``IndexConfig.event_max_message_bytes`` etc.
+RECEIVE_HWM_MESSAGES = 256
+APPLY_SLICE_HASHES = 4096
+RESTART_BACKOFF_MIN_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
 JOIN_WARN_S = 30.0  # a stream not joined by then is logged (once): a publisher the gateway cannot reach
 ALL_BUFFERED = (1 << 63) - 1  # replay's exclusive upper bound: every buffered batch
 JOIN_REPLAY_TIMEOUT_S = 30.0
@@ -68,6 +83,10 @@ JOIN_REPLAY_TIMEOUT_S = 30.0
 of MB on a busy replica) may take longer than a gap's replay; the replica is routed
 approximately meanwhile. What arrived by then is applied; a batch missing after it then
 shows as a gap."""
+
+
+class StreamDropped(ConnectionError):
+    """The publisher's connection dropped while live: the stream restarts (state kept)."""
 
 
 class EventSink(Protocol):
@@ -81,12 +100,22 @@ class EventSink(Protocol):
 class KvEventSubscriber:
     def __init__(self, endpoint: PublisherEndpoint, sink: EventSink, context: zmq.asyncio.Context, *,
                  replay_timeout_s: float = 1.0, on_incident: Callable[[str], None] | None = None,
-                 on_live: Callable[[], None] | None = None) -> None:
+                 on_live: Callable[[], None] | None = None, on_stopped: Callable[[str], None] | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, receive_hwm: int = RECEIVE_HWM_MESSAGES,
+                 restart_backoff_min_s: float = RESTART_BACKOFF_MIN_S,
+                 restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S) -> None:
         """``on_incident(outcome)`` is told of "gap", "healed", "lost", "restart", "decode_error";
-        ``on_live()`` once the stream is live (connected and synced)."""
+        ``on_live()`` once the stream is live (connected and synced); ``on_stopped(reason)`` when
+        ``run()`` stopped under ``supervise()`` (after ``live`` was cleared, before the restart)."""
         self.endpoint = endpoint
         self.on_incident = on_incident
         self.on_live = on_live
+        self.on_stopped = on_stopped
+        self.max_message_bytes = max_message_bytes
+        self.receive_hwm = receive_hwm
+        self.restart_backoff_min_s = restart_backoff_min_s
+        self.restart_backoff_max_s = max(restart_backoff_max_s, restart_backoff_min_s)
+        self.restarts = 0
         self.live = asyncio.Event()
         self.synced = 0  # batches applied from the replay buffer on joining
         self.sink = sink
@@ -104,10 +133,9 @@ class KvEventSubscriber:
         handshake with a publisher already there completes at once); a bind retries while the
         address is still held (a predecessor's socket closing: a replica re-discovered after a
         restart), up to ``BIND_RETRY_S``."""
-        sock = self.context.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._bounded(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         if not self.endpoint.bind:
             sock.connect(self.endpoint.endpoint)
             return sock, monitor
@@ -125,52 +153,119 @@ class KvEventSubscriber:
                     raise
                 await asyncio.sleep(0.05)
 
+    def _bounded(self, kind: int) -> zmq.asyncio.Socket:
+        """A socket whose inbound memory is bounded: a message part larger than
+        ``max_message_bytes`` drops the peer's connection (a 100 MB message was once accepted
+        whole), and at most ``receive_hwm`` messages queue before ZMQ drops more (a gap)."""
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, self.receive_hwm)
+        return sock
+
+    async def supervise(self) -> None:
+        """``run()`` forever: restarted after it stopped for any reason (an exception from the
+        sink, the socket, anything), after a delay doubling from ``restart_backoff_min_s`` up to
+        ``restart_backoff_max_s`` (back to the minimum after a run that lasted the maximum).
+        Cancellation stops it. The task itself never dies, so the stream is never silently gone."""
+        loop = asyncio.get_running_loop()
+        delay = self.restart_backoff_min_s
+        while True:
+            started = loop.time()
+            dropped = False
+            try:
+                await self.run()
+                reason = "stopped"
+            except StreamDropped as exc:
+                reason, dropped = str(exc), True
+            except Exception as exc:  # noqa: BLE001 - any failure: approximate now, restart later
+                reason = f"{type(exc).__name__}: {exc}"[:300]
+            if loop.time() - started >= self.restart_backoff_max_s:
+                delay = self.restart_backoff_min_s
+            await self._stopped(reason, delay, keep_state=dropped)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.restart_backoff_max_s)
+
+    async def _stopped(self, reason: str, delay: float, keep_state: bool = False) -> None:
+        """Not live any more (the replica is routed approximately from now). After a failure what
+        the index holds for the replica is dropped too: a batch that failed half-applied leaves
+        it in a state no sequence number describes, so the next run starts over (a fresh tracker:
+        the whole replay buffer when the publisher has one), as on first joining. After a dropped
+        connection (``keep_state``) the index is intact: the next run resumes from the tracker,
+        and what was missed meanwhile is a gap (replayed, or the replica uncertain)."""
+        self.live.clear()
+        self.restarts += 1
+        log.warning("kv events from %s: subscriber stopped (%s); the replica is routed approximately, "
+                    "restart in %.1f s", self.endpoint.endpoint, reason, delay)
+        if self.on_stopped is not None:
+            self.on_stopped(reason)
+        if keep_state:
+            return
+        self.tracker = SequenceTracker()
+        try:
+            await self.sink.restarted(self.endpoint)
+        except Exception as exc:  # noqa: BLE001 - the sink may be what failed; the stream is down anyway
+            log.warning("kv events from %s: dropping entries after the stop failed: %r", self.endpoint.endpoint, exc)
+
     def close(self) -> None:
         """Close the socket now (releases a bound address before the task is cancelled)."""
         if self._sock is not None:
             self._sock.close(linger=0)
 
     async def run(self) -> None:
+        """Join, sync, then apply live batches until the publisher's connection drops
+        (``StreamDropped``) or something fails; ``supervise()`` runs it again."""
         sock, monitor = await self._socket()
         self._sock = sock
         try:
-            await self._joined(sock, monitor)
+            await self._joined(monitor)
             await self._sync()
             self.live.set()
             if self.on_live is not None:
                 self.on_live()
-            while True:
-                frames = await sock.recv_multipart()
-                try:
-                    batch = decode_message(frames)
-                except KvEventError as exc:
-                    self.decode_errors += 1
-                    self._incident("decode_error")
-                    log.warning("kv events from %s: %s", self.endpoint.endpoint, exc)
-                    continue
-                await self.handle(batch)
-        finally:
-            sock.close(linger=0)
-
-    async def _joined(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
-        """Until the ZMTP handshake with the publisher succeeded (before it, nothing arrives)."""
-        warn_after: float | None = JOIN_WARN_S
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(warn_after):
-                        event = parse_monitor_message(await monitor.recv_multipart())
-                except TimeoutError:
-                    log.warning("kv events from %s: no publisher connected after %.0f s; the replica is routed "
-                                "approximately until one does", self.endpoint.endpoint, warn_after)
-                    warn_after = None
-                    continue
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    return
+            await self._receive(sock, monitor)
         finally:
             if not sock.closed:  # closed: ``close()`` ran before the task was cancelled
                 sock.disable_monitor()
             monitor.close(linger=0)
+            sock.close(linger=0)
+
+    async def _receive(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """Live batches, watching the connection: a dropped one (a message over
+        ``max_message_bytes`` ends it for good, ZMQ does not reconnect after a protocol error)
+        must not leave a silent socket trusted as a live stream."""
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            ready = dict(await poller.poll())
+            if monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    raise StreamDropped("the publisher's connection dropped")
+            if sock in ready:
+                frames = await sock.recv_multipart()
+                try:
+                    batch = decode_message(frames)
+                except KvEventError as exc:
+                    self._decode_error(exc)
+                    continue
+                await self.handle(batch)
+
+    async def _joined(self, monitor: zmq.asyncio.Socket) -> None:
+        """Until the ZMTP handshake with the publisher succeeded (before it, nothing arrives)."""
+        warn_after: float | None = JOIN_WARN_S
+        while True:
+            try:
+                async with asyncio.timeout(warn_after):
+                    event = parse_monitor_message(await monitor.recv_multipart())
+            except TimeoutError:
+                log.warning("kv events from %s: no publisher connected after %.0f s; the replica is routed "
+                            "approximately until one does", self.endpoint.endpoint, warn_after)
+                warn_after = None
+                continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return
 
     async def _sync(self) -> None:
         """Apply the publisher's replay buffer (when it has a replay socket): what it sent before
@@ -221,6 +316,14 @@ class KvEventSubscriber:
             self.healed += 1
             self._incident("healed")
 
+    def _decode_error(self, exc: KvEventError) -> None:
+        """Counted and logged (at DEBUG after the first few: a stream of garbage must not flood the log)."""
+        self.decode_errors += 1
+        self._incident("decode_error")
+        level = logging.WARNING if self.decode_errors <= 10 else logging.DEBUG
+        log.log(level, "kv events from %s: batch skipped (decode error %d): %s", self.endpoint.endpoint,
+                self.decode_errors, exc)
+
     def _incident(self, outcome: str) -> None:
         if self.on_incident is not None:
             self.on_incident(outcome)
@@ -229,8 +332,7 @@ class KvEventSubscriber:
         """Batches ``start <= seq < stop`` from the replay socket, in order (on a timeout, after
         ``timeout_s`` or ``replay_timeout_s``, or an error: those that arrived before it)."""
         assert self.endpoint.replay_endpoint is not None
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._bounded(zmq.DEALER)
         sock.connect(self.endpoint.replay_endpoint)
         out: list[EventBatch] = []
         try:
@@ -244,7 +346,10 @@ class KvEventSubscriber:
                     if seq == REPLAY_END:
                         break
                     if start <= seq < stop:
-                        out.append(decode_batch(seq, frames[3]))
+                        try:
+                            out.append(decode_batch(seq, frames[3]))
+                        except KvEventError as exc:  # that batch only: it is then missing (a loss)
+                            self._decode_error(exc)
         except (TimeoutError, KvEventError, zmq.ZMQError) as exc:
             log.warning("kv events replay from %s failed: %s", self.endpoint.replay_endpoint, exc)
         finally:
@@ -255,20 +360,43 @@ class KvEventSubscriber:
 class IndexSink:
     """Applies a replica's events to the precise index (``prefix_index.precise``)."""
 
-    def __init__(self, index: EventBlockIndex) -> None:
+    def __init__(self, index: EventBlockIndex, slice_hashes: int = APPLY_SLICE_HASHES) -> None:
+        """``slice_hashes``: page hashes applied before yielding to the event loop."""
         self.index = index
         self.events = 0
+        self.slice_hashes = max(slice_hashes, 1)
 
     async def apply(self, endpoint: PublisherEndpoint, batch: EventBatch) -> None:
+        """In slices of ``slice_hashes`` hashes with an ``asyncio.sleep(0)`` between them: a
+        batch of 200k hashes applied at once blocked every request for as long (issue 41).
+        A lookup between two slices sees the batch partly applied, as if it had come later."""
         replica = ReplicaId(endpoint.replica)
+        budget = self.slice_hashes
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                self.index.stored(replica, event.block_hashes, event.medium)
-            elif isinstance(event, BlockRemoved):
-                self.index.removed(replica, event.block_hashes, event.medium)
-            elif isinstance(event, AllBlocksCleared):
+            if isinstance(event, AllBlocksCleared):
                 self.index.cleared(replica)
+                budget -= 1
+            else:
+                budget = await self._apply_hashes(replica, event, budget)
+            if budget <= 0:
+                await asyncio.sleep(0)
+                budget = self.slice_hashes
         self.events += len(batch.events)
+
+    async def _apply_hashes(self, replica: ReplicaId, event: BlockStored | BlockRemoved, budget: int) -> int:
+        """One stored/removed event, its hashes in slices; the budget left of the current slice."""
+        hashes = event.block_hashes
+        apply = self.index.stored if isinstance(event, BlockStored) else self.index.removed
+        i = 0
+        while i < len(hashes):
+            if budget <= 0:
+                await asyncio.sleep(0)
+                budget = self.slice_hashes
+            part = hashes[i:i + budget]
+            apply(replica, part, event.medium)
+            i += len(part)
+            budget -= len(part)
+        return budget - (0 if hashes else 1)
 
     async def lost(self, endpoint: PublisherEndpoint, first_missing: int, next_seen: int) -> None:
         self.index.uncertain.add(ReplicaId(endpoint.replica))
