@@ -25,11 +25,35 @@ This module adds what they need around them:
   shape), then sent to the least-loaded routable replica (the next one when a
   connection fails). Nothing is recorded in the prefix index: nothing is cached.
 - ``GET /v1/models/{id}``: the model card the replicas reported, else 404 ``model_not_found``.
+- ``GET /model_info`` and ``GET /server_info`` (and SGLang's deprecated ``/get_model_info``,
+  ``/get_server_info``): benchmark tools (aiperf, guidellm, inference-perf, SGLang's
+  ``bench_serving``) and SGLang's own clients read the tokenizer and model paths there,
+  so the gateway relays one routable replica's own answer (least loaded first, the next
+  one when a connection fails; each call bounded by ``INFO_TIMEOUT_S``). Headers as for
+  every relayed call (``upstream_headers``: the client's credentials only when
+  ``upstream.forward_authorization`` says so, ``upstream.replica_api_key`` otherwise).
+  Nothing routable: 503 ``no_replica_available`` with ``Retry-After``; the replica
+  failing (no answer, or a 5xx): 502.
+- ``GET|POST /flush_cache``: an admin action (the admin bearer token,
+  ``gateway.admin.require_admin``; counted in ``kvgate_admin_requests``), fanned out
+  concurrently to every registered replica (``timeout`` query forwarded as SGLang takes
+  it; each call bounded by ``FLUSH_TIMEOUT_S`` plus that timeout). The client's
+  Authorization (the gateway's admin token) never reaches a replica: only
+  ``upstream.replica_api_key`` does. Each replica that flushed is also forgotten by the
+  gateway's prefix index (``PrefixIndex.remove_replica``, which drops its sessions too,
+  then its LRU re-sized), so routing stops predicting hits that are gone. 200 with a
+  per-replica summary when all flushed; 502 with the same body listing the failures
+  (SGLang answers 400 while it is not idle) otherwise; 503 when no replica is registered.
+  It lives on the main port even when ``admin.port`` is set (``EdgeApp`` serves only
+  ``/admin/*`` there): ``bench_serving --flush-cache`` posts to the URL it benchmarks.
 - the app's error handlers (unknown route, wrong method, bugs): Anthropic's shape under
   ``/v1/messages``, OpenAI's elsewhere.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
@@ -42,6 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.admin import require_admin
 from gateway.api_agents import previous_response_id
 from gateway.bodies import read_body
 from gateway.context import build_context
@@ -59,6 +84,7 @@ from gateway.relay import (
     RelayResponse,
     downstream_headers,
     error_response,
+    json_response,
     route_headers,
     upstream_headers,
 )
@@ -70,12 +96,20 @@ from gateway.responses_store import (
     owned_by,
 )
 from policies.base import RequestContext
-from prefix_index.base import ReplicaId
+from prefix_index.base import PrefixIndex, ReplicaCapacity, ReplicaId
+from replicas.model import ReplicaState, ReplicaView
 from replicas.registry import Registry
 
 if TYPE_CHECKING:
+    from gateway.metrics import GatewayMetrics
     from gateway.settings import Settings
 
+log = logging.getLogger("kvgate.api")
+INFO_TIMEOUT_S = 5.0  # /model_info, /server_info: a replica answers them from memory
+FLUSH_TIMEOUT_S = 10.0  # /flush_cache per replica, beyond the client's own ``timeout``
+MAX_FLUSH_WAIT_S = 300.0  # the largest ``timeout`` a flush may ask the replicas to wait
+INFO_PATHS = {"/model_info": "/model_info", "/get_model_info": "/model_info",
+              "/server_info": "/server_info", "/get_server_info": "/server_info"}
 
 
 class AgentGateway(Protocol):
@@ -86,6 +120,17 @@ class AgentGateway(Protocol):
     client: httpx.AsyncClient
     header_policy: HeaderPolicy
     responses: ResponsesApi
+    index: PrefixIndex
+    metrics: GatewayMetrics
+
+    @property
+    def fleet(self) -> Sizer: ...
+
+
+class Sizer(Protocol):
+    """``gateway.router.FleetListener``: a replica's index LRU size from its view."""
+
+    def capacity(self, view: ReplicaView) -> ReplicaCapacity: ...
 
 
 _CREATED_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]+)"')
@@ -245,6 +290,107 @@ def model_card(gateway: AgentGateway, request: Request) -> Response:
     return Response(orjson.dumps(card), media_type="application/json")
 
 
+async def server_details(gateway: AgentGateway, request: Request) -> Response:
+    """``GET /model_info``, ``/server_info`` (and their ``/get_`` aliases): one routable
+    replica's own answer (see the module docstring)."""
+    path = INFO_PATHS[request.url.path]
+    views = sorted((v for v in gateway.registry.views() if v.routable), key=lambda v: v.in_flight)
+    client = request.client.host if request.client is not None else None
+    headers = upstream_headers(request.headers.raw, gateway.header_policy, client, request.url.scheme)
+    for view in views:
+        try:
+            answer = await gateway.client.get(f"{view.id}{path}", headers=headers, timeout=INFO_TIMEOUT_S)
+        except httpx.ConnectError:
+            continue
+        except httpx.HTTPError as exc:
+            return _info_failed(view.id, type(exc).__name__)
+        if answer.status_code >= 500:
+            return _info_failed(view.id, f"status {answer.status_code}")
+        return _relayed(answer, view.id, "server-info")
+    if views:
+        return _info_failed(views[-1].id, "connection refused by every routable replica")
+    return error_response(NoReplicaAvailable(f"no replica is available to answer {path}; retry shortly"),
+                          route_headers("none", "no-replica"))
+
+
+def _info_failed(replica: str, why: str) -> Response:
+    return error_response(UpstreamError(f"replica {replica} failed ({why})"), route_headers(replica, "server-info"))
+
+
+async def flush_cache(gateway: AgentGateway, request: Request) -> Response:
+    """``GET|POST /flush_cache``: an admin action fanned out to every replica, counted."""
+    status = 500
+    try:
+        response = await _flush(gateway, request)
+        status = response.status_code
+        return response
+    finally:
+        gateway.metrics.admin_requests.labels(route="/flush_cache", status=str(status)).inc()
+
+
+async def _flush(gateway: AgentGateway, request: Request) -> Response:
+    try:
+        require_admin(request)
+        wait_s = _flush_wait(request.query_params.get("timeout"))
+    except GatewayError as exc:
+        return error_response(exc)
+    views = [v for v in gateway.registry.views() if v.state is not ReplicaState.REMOVED]
+    if not views:
+        return error_response(NoReplicaAvailable("no replica is registered: nothing to flush"))
+    policy = gateway.header_policy
+    headers = {} if policy.replica_authorization is None else {"authorization": policy.replica_authorization.decode()}
+    params = {} if wait_s is None else {"timeout": str(wait_s)}
+    bound_s = FLUSH_TIMEOUT_S + (wait_s or 0.0)
+    results = await asyncio.gather(*(_flush_one(gateway, v, headers, params, bound_s) for v in views))
+    failed = [r for r in results if not r["flushed"]]
+    body = {"object": "flush_cache", "flushed": len(results) - len(failed), "failed": len(failed),
+            "replicas": results}
+    return json_response(body, 502 if failed else 200, route_headers("none", "flush-cache"))
+
+
+def _flush_wait(raw: str | None) -> float | None:
+    """The ``timeout`` query (seconds a replica may wait to be idle), checked as SGLang does."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_FLUSH_WAIT_S:
+        raise InvalidRequest(f"timeout must be a number of seconds in [0, {MAX_FLUSH_WAIT_S:g}]", param="timeout")
+    return value
+
+
+async def _flush_one(gateway: AgentGateway, view: ReplicaView, headers: dict[str, str],
+                     params: dict[str, str], bound_s: float) -> dict[str, object]:
+    """One replica's flush, and then its blocks in the gateway's index when it flushed."""
+    out: dict[str, object] = {"url": view.id, "flushed": False, "status": None, "index_cleared": False}
+    try:
+        answer = await gateway.client.post(f"{view.id}/flush_cache", headers=headers, params=params,
+                                           timeout=bound_s)
+    except httpx.HTTPError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        return out
+    out["status"] = answer.status_code
+    out["message"] = answer.text[:500]
+    out["flushed"] = answer.status_code == 200
+    if out["flushed"]:
+        out["index_cleared"] = await _forget_blocks(gateway, view)
+    return out
+
+
+async def _forget_blocks(gateway: AgentGateway, view: ReplicaView) -> bool:
+    """The replica's blocks (and sessions) gone from the index, its LRU sized as before."""
+    try:
+        await gateway.index.remove_replica(view.id)
+        if view.device_tokens > 0:
+            await gateway.index.set_capacity(view.id, gateway.fleet.capacity(view))
+    except Exception as exc:  # noqa: BLE001 - the replica flushed; the index's failure is reported
+        log.warning("index: forgetting %s after its flush failed: %s: %s", view.id, type(exc).__name__, exc)
+        return False
+    return True
+
+
 def install_agent_routes(app: FastAPI, gw: Callable[[Request], AgentGateway]) -> None:
     """The routes above (the inference ones are ``gateway.app``'s)."""
     async def control(request: Request) -> Response:
@@ -261,6 +407,19 @@ def install_agent_routes(app: FastAPI, gw: Callable[[Request], AgentGateway]) ->
     app.add_route("/v1/responses/{response_id}/cancel", control, methods=["POST"],
                   include_in_schema=False)
     app.add_route("/v1/models/{model:path}", model, methods=["GET"], include_in_schema=False)
+
+
+def install_sglang_routes(app: FastAPI, gw: Callable[[Request], AgentGateway]) -> None:
+    """SGLang's own routes the benchmark tools call: info relayed, the flush fanned out."""
+    async def details(request: Request) -> Response:
+        return await server_details(gw(request), request)
+
+    async def flush(request: Request) -> Response:
+        return await flush_cache(gw(request), request)
+
+    for path in INFO_PATHS:
+        app.add_route(path, details, methods=["GET"], include_in_schema=False)
+    app.add_route("/flush_cache", flush, methods=["GET", "POST"], include_in_schema=False)
 
 
 def install_error_handlers(app: FastAPI) -> None:

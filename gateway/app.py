@@ -26,8 +26,9 @@ cancelled, the upstream request closed (SGLang aborts it), and the request count
 status 499, logged at INFO at most; a client that leaves during the upload is a 499 too.
 Errors are in the shape of the request's API (``gateway.errors``: Anthropic's for
 ``/v1/messages``, OpenAI's otherwise). ``/v1/messages`` and ``/v1/responses`` are
-inference endpoints like chat; the Responses id pin and record, count_tokens and
-``/v1/models/{id}`` are ``gateway.api_routes``.
+inference endpoints like chat; the Responses id pin and record, count_tokens,
+``/v1/models/{id}``, SGLang's ``/model_info`` / ``/server_info`` (relayed from a
+routable replica) and ``/flush_cache`` (admin, fanned out) are ``gateway.api_routes``.
 """
 from __future__ import annotations
 
@@ -45,7 +46,12 @@ from starlette.responses import Response
 
 from gateway import admin
 from gateway.admission import Admission
-from gateway.api_routes import ResponsesApi, install_agent_routes, install_error_handlers
+from gateway.api_routes import (
+    ResponsesApi,
+    install_agent_routes,
+    install_error_handlers,
+    install_sglang_routes,
+)
 from gateway.bodies import header_map, read_body
 from gateway.client_watch import ClientWatch
 from gateway.context import build_context
@@ -288,6 +294,7 @@ def _install_routes(app: FastAPI) -> None:
         return json_response({"object": "list", "data": gw(request).registry.models()})
 
     install_agent_routes(app, gw)  # count_tokens, /v1/responses/{id}[/cancel], /v1/models/{id}
+    install_sglang_routes(app, gw)  # /model_info, /server_info (relayed), /flush_cache (admin, fanned out)
 
     @app.get("/health")
     async def health() -> Response:

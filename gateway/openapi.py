@@ -7,7 +7,9 @@ with ``role``/``content``, ``prompt``, ``text``, ``stream``, ``max_tokens``, ses
 fields; Anthropic Messages and OpenAI Responses, whose errors are in their own shapes:
 docs/agents.md); any other field is allowed and reaches the replica as sent. The admin routes
 take their request bodies from the pydantic models in ``gateway/admin.py`` and carry the
-``adminToken`` bearer security scheme. Schema-driven fuzzers (schemathesis,
+``adminToken`` bearer security scheme, as does SGLang's ``/flush_cache`` (an admin
+action on the main port, fanned out to every replica); SGLang's ``/model_info`` and
+``/server_info`` (relayed from a replica) are open like ``/v1/models``. Schema-driven fuzzers (schemathesis,
 ``tests/safety/test_fuzz.py``) work from this document.
 """
 from __future__ import annotations
@@ -125,6 +127,17 @@ def _get(summary: str, *errors: int) -> dict[str, Any]:
                     "responses": _responses(ANY_OBJECT, *errors)}}
 
 
+def _sglang() -> dict[str, Any]:
+    """SGLang's own routes the benchmark tools call (``gateway.api_routes``)."""
+    wait = [{"name": "timeout", "in": "query", "required": False,
+             "schema": {"type": "number", "minimum": 0, "maximum": 300}}]
+    flush = (_admin("get", "flush cache get", params=wait, errors=(400, 401, 403, 502, 503))
+             | _admin("post", "flush cache", params=wait, errors=(400, 401, 403, 502, 503)))
+    return {"/model_info": _get("model info", 502, 503), "/get_model_info": _get("get model info", 502, 503),
+            "/server_info": _get("server info", 502, 503), "/get_server_info": _get("get server info", 502, 503),
+            "/flush_cache": flush}
+
+
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of every endpoint the gateway serves."""
     url_param = [{"name": "url", "in": "query", "required": True, "schema": {"type": "string"}}]
@@ -137,6 +150,7 @@ def openapi_document() -> dict[str, Any]:
         "/generate": _inference("generate", "text", {"type": "string", "minLength": 1}),
         **_agents(),
         "/v1/models": _get("list models"),
+        **_sglang(),
         "/health": _get("liveness"),
         "/ready": _get("readiness", 503),
         "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics",
