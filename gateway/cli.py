@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sglang-cpu": ("loadtest.sglang_cpu.cli", "run real SGLang 0.5.23 servers on the CPU with a tiny local model"),
     "sglang-args": ("replicas.sglang_args", "generate SGLang launch arguments from a replica profile"),
 }
+BENCH_EXTRA = frozenset({"rich", "matplotlib"})  # the `bench` extra's packages: the harness's, never serving's
 HUGE_PAGES = "gateway.huge_pages"  # `kvgate serve` executes itself again with malloc on huge pages
 
 
@@ -60,7 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = argv[0]
     if name == "serve" and from_program:  # before the serving path's imports (gateway/huge_pages.py)
         importlib.import_module(HUGE_PAGES).reexec_with_huge_pages()
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+    except ModuleNotFoundError as exc:
+        if exc.name not in BENCH_EXTRA:
+            raise
+        print(f"kvgate {name} needs the harness's extra ({exc.name} is missing): pip install 'kvgate[bench]'",
+              file=sys.stderr)
+        return 2
     sub_parser = argparse.ArgumentParser(prog=f"kvgate {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])

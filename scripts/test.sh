@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 
-echo "== installing kvgate with its test extras"
-$PY -m pip install --quiet --disable-pip-version-check -e '.[test]'
+echo "== installing kvgate with its test and bench extras"
+$PY -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
 
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "== installing redis-server (apt)"
