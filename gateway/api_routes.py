@@ -60,13 +60,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import httpx
 import orjson
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.admin import require_admin
+from gateway.admin import CountedRoute, require_admin
 from gateway.api_agents import previous_response_id
 from gateway.bodies import read_body
 from gateway.context import build_context
@@ -318,25 +318,13 @@ def _info_failed(replica: str, why: str) -> Response:
 
 
 async def flush_cache(gateway: AgentGateway, request: Request) -> Response:
-    """``GET|POST /flush_cache``: an admin action fanned out to every replica, counted."""
-    status = 500
-    try:
-        response = await _flush(gateway, request)
-        status = response.status_code
-        return response
-    finally:
-        gateway.metrics.admin_requests.labels(route="/flush_cache", status=str(status)).inc()
-
-
-async def _flush(gateway: AgentGateway, request: Request) -> Response:
-    try:
-        require_admin(request)
-        wait_s = _flush_wait(request.query_params.get("timeout"))
-    except GatewayError as exc:
-        return error_response(exc)
+    """``GET|POST /flush_cache``: every replica's flush, concurrently. An admin route
+    (``install_sglang_routes``: the admin token checked and the call counted as every
+    ``/admin/*`` call is)."""
+    wait_s = _flush_wait(request.query_params.get("timeout"))
     views = [v for v in gateway.registry.views() if v.state is not ReplicaState.REMOVED]
     if not views:
-        return error_response(NoReplicaAvailable("no replica is registered: nothing to flush"))
+        raise NoReplicaAvailable("no replica is registered: nothing to flush")
     policy = gateway.header_policy
     headers = {} if policy.replica_authorization is None else {"authorization": policy.replica_authorization.decode()}
     params = {} if wait_s is None else {"timeout": str(wait_s)}
@@ -419,7 +407,9 @@ def install_sglang_routes(app: FastAPI, gw: Callable[[Request], AgentGateway]) -
 
     for path in INFO_PATHS:
         app.add_route(path, details, methods=["GET"], include_in_schema=False)
-    app.add_route("/flush_cache", flush, methods=["GET", "POST"], include_in_schema=False)
+    admin_action = APIRouter(dependencies=[Depends(require_admin)], route_class=CountedRoute)
+    admin_action.add_api_route("/flush_cache", flush, methods=["GET", "POST"], include_in_schema=False)
+    app.include_router(admin_action)
 
 
 def install_error_handlers(app: FastAPI) -> None:
