@@ -38,6 +38,7 @@ pytestmark = pytest.mark.sglang_real
 
 SESSIONS = 4
 TURNS = 6
+BEFORE = 2  # turns every session completes before the drain; the rest follow it
 STREAMS = 8
 EXPECTED = "x-kvgate-expected-cached-tokens"
 Turn = tuple[float, str]  # (monotonic time the turn was sent, the replica that served it)
@@ -48,9 +49,12 @@ def async_api(gw: Gateway) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, http_client=http)
 
 
-async def _session(oa: openai.AsyncOpenAI, s: int, seen: dict[int, list[Turn]], errors: list[str]) -> None:
+async def _session(oa: openai.AsyncOpenAI, s: int, seen: dict[int, list[Turn]], errors: list[str],
+                   drained: threading.Event) -> None:
     messages: list[Any] = [{"role": "system", "content": f"Agent {s} of the drain test. " * 30}]
     for turn in range(TURNS):
+        while turn == BEFORE and not drained.is_set():  # the drain lands between turns, not after the last
+            await asyncio.sleep(0.02)
         messages.append({"role": "user", "content": f"step {turn} of session {s}: go on."})
         sent = time.monotonic()
         try:
@@ -59,22 +63,24 @@ async def _session(oa: openai.AsyncOpenAI, s: int, seen: dict[int, list[Turn]], 
                 extra_headers={"x-kvgate-session": f"real-drain-{s}"})
         except openai.APIError as e:
             errors.append(f"session {s} turn {turn}: {e!r}")
+            drained.set()  # release the others: this session is over
             return
         seen[s].append((sent, raw.headers["x-kvgate-replica"]))
         messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content or ""})
 
 
-async def _sessions_then(gw: Gateway, seen: dict[int, list[Turn]], ready: threading.Event) -> list[str]:
+async def _sessions_then(gw: Gateway, seen: dict[int, list[Turn]], ready: threading.Event,
+                         drained: threading.Event) -> list[str]:
     oa, errors = async_api(gw), list[str]()
 
     async def watcher() -> None:
-        while not all(len(v) >= 2 for v in seen.values()):
+        while not all(len(v) >= BEFORE for v in seen.values()):
             await asyncio.sleep(0.05)
         ready.set()
 
     try:
-        await asyncio.wait_for(asyncio.gather(watcher(), *(_session(oa, s, seen, errors) for s in range(SESSIONS))),
-                               timeout=240.0)
+        sessions = (_session(oa, s, seen, errors, drained) for s in range(SESSIONS))
+        await asyncio.wait_for(asyncio.gather(watcher(), *sessions), timeout=240.0)
     finally:
         await oa.close()
     return errors
@@ -83,20 +89,22 @@ async def _sessions_then(gw: Gateway, seen: dict[int, list[Turn]], ready: thread
 def test_admin_drain_of_a_real_server_loses_nothing(real_urls: list[str], tmp_path: Path) -> None:
     gw = start_gateway(real_urls, tmp_path / "gateway.log")
     seen: dict[int, list[Turn]] = {s: [] for s in range(SESSIONS)}
-    ready, state = threading.Event(), dict[str, Any]()
+    ready, drained, state = threading.Event(), threading.Event(), dict[str, Any]()
 
     def drain() -> None:
         if not ready.wait(180.0):
+            drained.set()
             return
-        # the replica serving the most sessions that still have a turn after the one in flight
-        # (under load sessions progress unevenly: one may be nearly done when the last has 2)
-        counts = {u: sum(turns[-1][1] == u and len(turns) <= TURNS - 2 for turns in seen.values())
-                  for u in real_urls}
+        # Every session has served BEFORE turns and waits: the victim is the replica that
+        # served the most sessions' last turn, so their next turns must move.
+        counts = {u: sum(turns[-1][1] == u for turns in seen.values()) for u in real_urls}
         state["victim"] = victim = max(counts, key=lambda u: counts[u])
-        # The drain is applied when this answer is sent (wait=False): a turn sent after it
-        # must not reach the victim; one sent before it may (it raced the drain, legitimately).
-        state["reply"] = gw.admin("POST", "/replicas/drain", json={"url": victim, "deadline_s": 60})
-        state["applied"] = time.monotonic()
+        # The drain is applied when this answer is sent (wait=False).
+        try:
+            state["reply"] = gw.admin("POST", "/replicas/drain", json={"url": victim, "deadline_s": 60})
+        finally:
+            state["applied"] = time.monotonic()
+            drained.set()
         try:
             wait_until(lambda: victim not in gw.replicas(), 90.0, "the drained victim removed")
             state["removed"] = True
@@ -106,7 +114,7 @@ def test_admin_drain_of_a_real_server_loses_nothing(real_urls: list[str], tmp_pa
     thread = threading.Thread(target=drain)
     try:
         thread.start()
-        errors = asyncio.run(_sessions_then(gw, seen, ready))
+        errors = asyncio.run(_sessions_then(gw, seen, ready, drained))
         thread.join(120.0)
         assert not errors, errors
         assert all(len(turns) == TURNS for turns in seen.values()), seen
