@@ -73,46 +73,37 @@ docs/results-precise.md.
 
 from __future__ import annotations
 
-import random
-import time
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from policies.base import Decision, NoRoutableReplica, RequestContext, RoutingInputs
+from policies.base import RequestContext, RoutingInputs
 from policies.config import parse_params, parse_weights
-from policies.filters import is_new_session, standard_candidates, standard_filters
+from policies.filters import is_new_session, standard_filters
 from policies.framework import Explanation, Pipeline
 from policies.pickers import MaxScorePicker
 from policies.placement import is_new_conversation
 from policies.ttft_cost import (
     CacheAwareParams,
     Costs,
-    EstimateArrays,
     candidate_costs,
-    estimate_arrays,
     home_replica,
     resident_fraction,
-    resident_fractions,
     score_floor_s,
 )
 from prefix_index.base import ReplicaId
 from replicas.model import ReplicaView
 
 NAME = "cache-aware"
+_ID = operator.attrgetter("id")
 DEFAULT_WEIGHTS = {"ttft": 1.0, "new-session": 0.15}
-
-
-Known = EstimateArrays | Costs  # the array path's, or the scalar pass's
 
 
 class EstimateMemo:
     """The estimates of the decision in progress, from the scorer to the explainer.
 
-    The cost model is evaluated once per candidate per decision (`ttft_cost.candidate_costs`,
-    or in a large fleet `ttft_cost.estimate_arrays`): `TtftScorer` stores its estimates here and
+    The cost model is evaluated once per candidate per decision (`ttft_cost.candidate_costs`):
+    `TtftScorer` stores its estimates here and
     `CacheAwareExplainer` takes them back when it is called for the same decision (the
     very same ``ctx``, ``inputs`` and ``candidates`` objects, which the pipeline passes to
     both, synchronously). Both are pure functions of those arguments, so reusing the
@@ -124,15 +115,15 @@ class EstimateMemo:
 
     def __init__(self) -> None:
         self._key: tuple[object, object, object] | None = None
-        self._estimates: Known | None = None
+        self._estimates: Costs | None = None
 
     def put(self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView],
-            values: Known) -> None:
+            values: Costs) -> None:
         self._key = (ctx, inputs, candidates)
         self._estimates = values
 
     def take(self, ctx: RequestContext, inputs: RoutingInputs,
-             candidates: Sequence[ReplicaView]) -> Known | None:
+             candidates: Sequence[ReplicaView]) -> Costs | None:
         key, values = self._key, self._estimates
         self._key, self._estimates = None, None
         if key is None or key[0] is not ctx or key[1] is not inputs or key[2] is not candidates:
@@ -154,9 +145,7 @@ def ttft_scores(ctx: RequestContext, costs: Costs, floor: float) -> list[float]:
 
 
 class TtftScorer:
-    """Score = (best + floor) / (cost + floor): 1.0 for the lowest estimated TTFT.
-
-    ``score`` (few candidates) and ``score_array`` (many) are the same floats."""
+    """Score = (best + floor) / (cost + floor): 1.0 for the lowest estimated TTFT."""
 
     name = "ttft"
 
@@ -172,23 +161,6 @@ class TtftScorer:
         if self.memo is not None:
             self.memo.put(ctx, inputs, candidates, costs)
         return dict(zip(costs.replicas, ttft_scores(ctx, costs, self.floor), strict=True))
-
-    def score_array(
-        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
-    ) -> npt.NDArray[np.float64]:
-        if not candidates:
-            return np.zeros(0)
-        est = estimate_arrays(ctx, inputs, candidates, home_replica(inputs, candidates), self.params)
-        if self.memo is not None:
-            self.memo.put(ctx, inputs, candidates, est)
-        # one-shot requests: the prefill every candidate pays is no choice, judge ties on the rest
-        common = 0.0 if ctx.session.session else float(est.prefill_s.min())
-        costs = est.total_s - common
-        best = float(costs.min())
-        floor = self.floor
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out: npt.NDArray[np.float64] = np.where(costs <= best, 1.0, (best + floor) / (costs + floor))
-        return out
 
 
 def new_session_score(inputs: RoutingInputs, view: ReplicaView, p: CacheAwareParams) -> float:
@@ -211,33 +183,19 @@ class NewSessionScorer:
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> dict[ReplicaId, float]:
         if not is_new_session(inputs):
-            return {c.id: 0.0 for c in candidates}
+            return dict.fromkeys(map(_ID, candidates), 0.0)
         return {c.id: new_session_score(inputs, c, self.params) for c in candidates}
-
-    def score_array(
-        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
-    ) -> npt.NDArray[np.float64]:
-        n = len(candidates)
-        if not is_new_session(inputs):
-            return np.zeros(n)
-        added = np.fromiter((c.added_at_s for c in candidates), np.float64, n)
-        fresh = inputs.now_s - added <= self.params.new_replica_window_s
-        out: npt.NDArray[np.float64] = np.where(fresh, 1.0, 0.5 * (1.0 - resident_fractions(inputs, candidates, 1.0)))
-        return out
 
 
 def explanation(
     ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView], chosen: ReplicaId,
-    known: Known,
+    known: Costs,
 ) -> tuple[str, int, int]:
     """`CacheAwareExplainer`'s answer (reason, cached tokens, uncached tokens), from the
     decision's estimates (``known``, evaluated for the candidates and their home)."""
     i = known.replicas.index(chosen)
-    cached, uncached = int(known.cached_tokens[i]), int(known.uncached_tokens[i])
-    if isinstance(known, EstimateArrays):
-        best_cached = int(known.cached_tokens.max())
-    else:
-        best_cached = max(known.cached_tokens)
+    cached, uncached = known.cached_tokens[i], known.uncached_tokens[i]
+    best_cached = max(known.cached_tokens)
     holds_best = cached > 0 and cached >= best_cached  # cached tokens ignore home
     return _reason(ctx, inputs, candidates, chosen, known.terms.home, known.terms.home_lost, holds_best), cached, uncached
 
@@ -295,70 +253,18 @@ class CacheAwareExplainer:
         return Explanation(*explanation(ctx, inputs, candidates, chosen, known))
 
 
-class CacheAwarePipeline(Pipeline):
-    """The `cache-aware` pipeline (the plugins above), deciding over fewer than
-    ``array_min`` replicas in one pass.
-
-    In a large fleet the framework runs the plugins over arrays. Below that, `decide`
-    does what the framework's dict path would do with the same plugins, without the
-    plugin calls between: the filters, one `candidate_costs` pass, the TTFT and
-    new-session scores combined as the framework combines them (the same float
-    operations, in the same order), the picker, the explanation; so its decisions are
-    the framework's, bit for bit (`tests/policies/test_cost_arrays.py` and
-    `test_cost_equivalence.py`: against the array path, the plugins' dict path and the
-    frozen legacy model). It is timed as one step, ``one-pass/cache-aware``. At one
-    replica it costs 10.7 us warm against the plugin path's 23.1, and 32 against 54 us on
-    a running gateway's request path (docs/profile.md, "The one-pass decision, built").
-    """
-
-    def __init__(self, p: CacheAwareParams, weights: Mapping[str, float], seed: int | None) -> None:
-        memo = EstimateMemo()
-        super().__init__(
-            NAME,
-            filters=standard_filters(),
-            scorers=[(TtftScorer(p, memo), weights["ttft"]), (NewSessionScorer(p), weights["new-session"])],
-            picker=MaxScorePicker(tolerance=p.tie_tolerance, random_ties=True),
-            explainer=CacheAwareExplainer(p, memo),
-            seed=seed,
-            resident_window_s=p.resident_window_s,
-        )
-        self.params = p
-        (ttft, self._ttft_weight), (_, self._new_weight) = self.scorers  # the framework's weights, as given
-        assert isinstance(ttft, TtftScorer)
-        self._floor = ttft.floor
-
-    def decide(self, ctx: RequestContext, inputs: RoutingInputs, rng: random.Random) -> Decision:
-        if self.array_min is not None and len(inputs.replicas) >= self.array_min:
-            return super().decide(ctx, inputs, rng)
-        start = time.perf_counter()
-        new = is_new_session(inputs)
-        candidates = standard_candidates(inputs.replicas, new)  # what self.filters give
-        if not candidates:
-            raise NoRoutableReplica(f"no routable replica among {len(inputs.replicas)}")
-        p = self.params
-        costs = candidate_costs(ctx, inputs, candidates, home_replica(inputs, candidates), p)
-        ttft = ttft_scores(ctx, costs, self._floor)
-        w_ttft, w_new, total_weight = self._ttft_weight, self._new_weight, self._total_weight
-        new = new and w_new != 0  # else the new-session scorer adds 0 everywhere
-        scores: dict[ReplicaId, float] = {}
-        for c, score in zip(candidates, ttft, strict=True):
-            combined = 0.0
-            if w_ttft != 0:
-                combined += w_ttft * min(max(score, 0.0), 1.0)
-            if new:
-                combined += w_new * min(max(new_session_score(inputs, c, p), 0.0), 1.0)
-            scores[c.id] = combined / total_weight
-        if len(scores) != len(candidates):  # a replica listed twice: the framework's rules for that
-            return super().decide(ctx, inputs, rng)
-        chosen = self.picker.pick(scores, rng)
-        reason, cached, uncached = explanation(ctx, inputs, candidates, chosen, costs)
-        self._timings.lap("one-pass/cache-aware", start)
-        return Decision(replica=chosen, reason=reason, policy=NAME, predicted_cached_tokens=cached,
-                        predicted_uncached_tokens=uncached, scores=scores)
-
-
 def build(params: Mapping[str, Any] | None, seed: int | None) -> Pipeline:
     p = parse_params(CacheAwareParams, params, NAME)
     if p.prefill_tokens_per_s <= 0 or p.host_load_tokens_per_s <= 0:
         raise ValueError(f"policy {NAME!r}: throughputs must be > 0")
-    return CacheAwarePipeline(p, parse_weights(params, DEFAULT_WEIGHTS, NAME), seed)
+    weights = parse_weights(params, DEFAULT_WEIGHTS, NAME)
+    memo = EstimateMemo()  # the scorer's estimates, handed to the explainer of the same decision
+    return Pipeline(
+        NAME,
+        filters=standard_filters(),
+        scorers=[(TtftScorer(p, memo), weights["ttft"]), (NewSessionScorer(p), weights["new-session"])],
+        picker=MaxScorePicker(tolerance=p.tie_tolerance, random_ties=True),
+        explainer=CacheAwareExplainer(p, memo),
+        seed=seed,
+        resident_window_s=p.resident_window_s,
+    )

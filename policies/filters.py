@@ -10,18 +10,19 @@
 The two soft filters (scale-in, new-session) fall back to their input when they would
 leave nothing: steering away from a replica about to leave must never turn a request
 that could be served into an error. Only `RoutableFilter` is strict.
-
-`standard_candidates` is what the three give in turn, in one pass over a fleet where
-they remove nothing (the common case), for a policy that decides without the plugin
-calls (`policies.cache_aware`).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from itertools import compress
 
 from policies.base import RequestContext, RoutingInputs
 from replicas.model import ReplicaView
+
+_ROUTABLE = operator.attrgetter("routable")
+_LEAVING = operator.attrgetter("removal_candidate")
 
 
 def is_new_session(inputs: RoutingInputs) -> bool:
@@ -35,7 +36,7 @@ class RoutableFilter:
     def filter(
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> list[ReplicaView]:
-        return [c for c in candidates if c.routable]
+        return list(compress(candidates, map(_ROUTABLE, candidates)))
 
 
 class ScaleInFilter:
@@ -44,6 +45,8 @@ class ScaleInFilter:
     def filter(
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> list[ReplicaView]:
+        if not any(map(_LEAVING, candidates)):
+            return list(candidates)  # the common case: no replica is leaving
         kept = [c for c in candidates if not c.removal_candidate]
         return kept or list(candidates)
 
@@ -58,18 +61,6 @@ class NewSessionFilter:
             return list(candidates)
         kept = [c for c in candidates if c.accepts_new_sessions]
         return kept or list(candidates)
-
-
-def standard_candidates(replicas: Sequence[ReplicaView], new_session: bool) -> list[ReplicaView]:
-    """``RoutableFilter``, ``ScaleInFilter`` then ``NewSessionFilter`` over ``replicas``
-    (``new_session``: `is_new_session` of the request's inputs), with their fallbacks."""
-    if all(c.routable and not c.removal_candidate for c in replicas):
-        return list(replicas)  # none filtered out (and every one accepts new sessions)
-    routable = [c for c in replicas if c.routable]
-    kept = [c for c in routable if not c.removal_candidate] or routable
-    if not new_session:
-        return kept
-    return [c for c in kept if c.accepts_new_sessions] or kept
 
 
 def standard_filters() -> list[RoutableFilter | ScaleInFilter | NewSessionFilter]:

@@ -18,26 +18,19 @@ each step, a plugin's time running from the previous step's reading (the framewo
 few operations between two plugins count to the second); a plugin that raises ends the
 decision uncounted.
 
-*Arrays.* When every scorer also has ``score_array`` (`ArrayScorer`: its scores as one
-numpy array aligned with the candidates) and the picker has ``pick_index``
-(`ArrayPicker`), steps 2 and 3 run over arrays for ``array_min_candidates`` (16) or more
-candidates: the weighted mean is the same float operations per candidate, in the same
-order, as the dict path, so the decision and its scores are the same, and a large fleet
-costs a few numpy calls instead of Python per replica (`cache-aware` at 512 replicas:
-docs/results-cost.md, section 2). Below that the numpy calls' fixed cost (~0.1 ms a
-decision) exceeds what they save.
+One path for every fleet size: the scorers give dicts, the pipeline combines them and the
+picker picks, the same calls whether the fleet has one replica or 512 (`cache-aware`
+evaluates its cost model once per candidate, in one pass: `policies.ttft_cost`).
 """
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-import numpy as np
-import numpy.typing as npt
 
 from policies.base import (
     Decision,
@@ -54,7 +47,7 @@ from policies.hooks import Hook, StandardHooks
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
 
-ARRAY_MIN_CANDIDATES = 16  # the array path from this many candidates (the dict path is cheaper below)
+_ID = operator.attrgetter("id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,24 +57,6 @@ class Explanation:
     reason: str
     cached_tokens: int
     uncached_tokens: int
-
-
-class ArrayScorer(Scorer, Protocol):
-    """A scorer that can also give its scores as an array aligned with ``candidates``."""
-
-    def score_array(
-        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
-    ) -> npt.NDArray[np.float64]:
-        """The values `score` would give, in candidate order. Pure."""
-        ...
-
-
-class ArrayPicker(Picker, Protocol):
-    """A picker that can also pick from an array of scores (candidate order)."""
-
-    def pick_index(self, scores: npt.NDArray[np.float64], rng: random.Random) -> int:
-        """The position `pick` would return for the same scores in that order."""
-        ...
 
 
 class Explainer(Protocol):
@@ -131,25 +106,20 @@ class Timings:
     """Cumulative wall time per plugin, keyed "<kind>/<name>" (e.g. "scorer/ttft")."""
 
     def __init__(self) -> None:
-        self._totals: dict[str, list[float]] = {}  # key -> [calls, seconds]: one lookup a call
+        self._totals: dict[str, list[float]] = {}  # key -> [calls, seconds]
+
+    def slot(self, key: str) -> list[float]:
+        """``key``'s [calls, seconds] accumulator, which the pipeline adds to in place
+        (no lookup or call per step); reported once it has a call."""
+        return self._totals.setdefault(key, [0, 0.0])
 
     def add(self, key: str, seconds: float) -> None:
-        total = self._totals.get(key)
-        if total is None:
-            self._totals[key] = [1, seconds]
-        else:
-            total[0] += 1
-            total[1] += seconds
+        total = self.slot(key)
+        total[0] += 1
+        total[1] += seconds
 
     def snapshot(self) -> dict[str, PluginTiming]:
-        return {k: PluginTiming(int(calls), seconds) for k, (calls, seconds) in self._totals.items()}
-
-    def lap(self, key: str, start: float) -> float:
-        """Adds the time since ``start`` (a ``perf_counter`` reading) to ``key``; returns
-        the reading taken, the next step's start: one clock reading a step."""
-        now = time.perf_counter()
-        self.add(key, now - start)
-        return now
+        return {k: PluginTiming(int(calls), seconds) for k, (calls, seconds) in self._totals.items() if calls}
 
 
 class Pipeline:
@@ -166,7 +136,6 @@ class Pipeline:
         hooks: Sequence[Hook] | None = None,
         seed: int | None = None,
         resident_window_s: float = 600.0,
-        array_min_candidates: int = ARRAY_MIN_CANDIDATES,
     ) -> None:
         if not scorers or any(w < 0 for _, w in scorers) or sum(w for _, w in scorers) <= 0:
             raise ValueError(
@@ -183,14 +152,13 @@ class Pipeline:
             resident_window_s  # the window the gateway asks resident_tokens for
         )
         self._timings = Timings()
-        # the plugins' timing keys, formatted once (a decision times five to seven calls)
-        self._filter_keys = tuple(f"filter/{f.name}" for f in self.filters)
-        self._scorer_keys = tuple(f"scorer/{s.name}" for s, _ in self.scorers)
-        self._picker_key = f"picker/{picker.name}"
-        self._explainer_key = f"explainer/{self.explainer.name}"
+        # the plugins' accumulators, found once (a decision times five to seven calls)
+        slot = self._timings.slot
+        self._filter_steps = tuple((f, slot(f"filter/{f.name}")) for f in self.filters)
+        self._scorer_steps = tuple((s, w, slot(f"scorer/{s.name}")) for s, w in self.scorers if w != 0)
+        self._picker_slot = slot(f"picker/{picker.name}")
+        self._explainer_slot = slot(f"explainer/{self.explainer.name}")
         self._total_weight = sum(w for _, w in self.scorers)
-        arrays = hasattr(picker, "pick_index") and all(hasattr(s, "score_array") for s, _ in self.scorers)
-        self.array_min: int | None = array_min_candidates if arrays else None  # None: never arrays
 
     def new_rng(self) -> random.Random:
         """An rng for `decide`, seeded from the policy's config (None: OS entropy).
@@ -205,27 +173,28 @@ class Pipeline:
         return self._timings.snapshot()
 
     def decide(self, ctx: RequestContext, inputs: RoutingInputs, rng: random.Random) -> Decision:
+        # one clock reading after each step; a step's time runs from the previous reading
+        clock = time.perf_counter
         candidates: list[ReplicaView] = list(inputs.replicas)
-        lap = self._timings.lap
-        t = time.perf_counter()
-        for f, key in zip(self.filters, self._filter_keys, strict=True):
+        t = clock()
+        for f, acc in self._filter_steps:
             candidates = f.filter(ctx, inputs, candidates)
-            t = lap(key, t)
+            now = clock()
+            acc[0] += 1
+            acc[1] += now - t
+            t = now
         if not candidates:
             raise NoRoutableReplica(f"no routable replica among {len(inputs.replicas)}")
-        ids = [c.id for c in candidates]
-        if self.array_min is not None and len(ids) >= self.array_min and len(set(ids)) == len(ids):
-            values, t = self._combined_array(ctx, inputs, candidates, t)
-            picker: ArrayPicker = self.picker  # type: ignore[assignment]
-            chosen = ids[picker.pick_index(values, rng)]
-            t = lap(self._picker_key, t)
-            scores = dict(zip(ids, values.tolist(), strict=True))
-        else:
-            scores, t = self._combined_scores(ctx, inputs, candidates, t)
-            chosen = self.picker.pick(scores, rng)
-            t = lap(self._picker_key, t)
+        scores, t = self._combined_scores(ctx, inputs, candidates, t)
+        chosen = self.picker.pick(scores, rng)
+        now = clock()
+        acc = self._picker_slot
+        acc[0] += 1
+        acc[1] += now - t
         why = self.explainer.explain(ctx, inputs, candidates, chosen)
-        lap(self._explainer_key, t)
+        acc = self._explainer_slot
+        acc[0] += 1
+        acc[1] += clock() - now
         return Decision(
             replica=chosen,
             reason=why.reason,
@@ -240,34 +209,24 @@ class Pipeline:
     ) -> tuple[dict[ReplicaId, float], float]:
         """The weighted mean of the scorers' scores; ``t``: the clock reading the first
         scorer's time starts from (returned: the last one taken)."""
-        total_weight = self._total_weight
-        lap = self._timings.lap
-        combined = {c.id: 0.0 for c in candidates}
-        for (scorer, weight), key in zip(self.scorers, self._scorer_keys, strict=True):
-            if weight == 0:
-                continue
+        clock = time.perf_counter
+        combined = dict.fromkeys(map(_ID, candidates), 0.0)  # a replica listed twice is scored once
+        for scorer, weight, acc in self._scorer_steps:  # weight 0: not called
             part = scorer.score(ctx, inputs, candidates)
-            t = lap(key, t)
-            for rid in combined:
-                combined[rid] += weight * min(max(part.get(rid, 0.0), 0.0), 1.0)
-        return {rid: s / total_weight for rid, s in combined.items()}, t
-
-    def _combined_array(
-        self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView], t: float
-    ) -> tuple[npt.NDArray[np.float64], float]:
-        """`_combined_scores` over arrays: the same operations per candidate, same order."""
+            now = clock()
+            acc[0] += 1
+            acc[1] += now - t
+            t = now
+            get = part.get
+            for rid, c in combined.items():  # values replaced in place: the keys stay
+                s = get(rid, 0.0)
+                # ``weight * min(max(s, 0.0), 1.0)``, the builtins' very results (NaN
+                # included), spelled as conditional expressions: no call per replica
+                combined[rid] = c + weight * (0.0 if 0.0 > s else 1.0 if 1.0 < s else s)  # noqa: FURB136
         total_weight = self._total_weight
-        lap = self._timings.lap
-        combined = np.zeros(len(candidates))
-        for (scorer, weight), key in zip(self.scorers, self._scorer_keys, strict=True):
-            if weight == 0:
-                continue
-            array_scorer: ArrayScorer = scorer  # type: ignore[assignment]
-            part = array_scorer.score_array(ctx, inputs, candidates)
-            t = lap(key, t)
-            combined = combined + weight * np.minimum(np.maximum(part, 0.0), 1.0)
-        out: npt.NDArray[np.float64] = combined / total_weight
-        return out, t
+        for rid, c in combined.items():
+            combined[rid] = c / total_weight
+        return combined, t
 
     async def on_routed(
         self, ctx: RequestContext, decision: Decision, index: PrefixIndex, now_s: float

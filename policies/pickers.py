@@ -9,8 +9,7 @@
   a higher temperature spreads more (Dynamo's optional temperature).
 
 Both are pure but for the rng they are given, and both iterate the scores in their
-given order, so a seed reproduces a decision. `MaxScorePicker.pick_index` is the same
-rule over an array of scores (`policies.framework.ArrayPicker`).
+given order, so a seed reproduces a decision.
 """
 
 from __future__ import annotations
@@ -18,9 +17,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-
-import numpy as np
-import numpy.typing as npt
 
 from prefix_index.base import ReplicaId
 
@@ -45,17 +41,6 @@ class MaxScorePicker:
         if len(ties) == 1 or not self.random_ties:
             return ties[0]
         return ties[rng.randrange(len(ties))]
-
-    def pick_index(self, scores: npt.NDArray[np.float64], rng: random.Random) -> int:
-        """`pick` over scores in candidate order: the position of the pick (same rng use)."""
-        if scores.size == 0:
-            raise ValueError("nothing to pick from")
-        best = float(scores.max())
-        floor = best / (1.0 + self.tolerance) - _EPS
-        ties = np.flatnonzero(scores >= floor)
-        if ties.size == 1 or not self.random_ties:
-            return int(ties[0])
-        return int(ties[rng.randrange(ties.size)])
 
 
 class SoftmaxPicker:

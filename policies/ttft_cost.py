@@ -49,11 +49,12 @@ decode steps longer than on an idle one (a 48k-token first turn: 6 steps, ~0.09 
 per running request. Defaults: SGLang's ``chunked_prefill_size`` 8192 for large GPUs
 and a decode step of ~15 ms at low batch (the default profile's base step).
 
-Two implementations of one formula: `candidate_costs` (plain Python, one pass over the
-candidates: the decision's path in fleets below `policies.framework.ARRAY_MIN_CANDIDATES`)
-and `estimate_arrays` (every candidate at once over numpy arrays, term by term, for large
-fleets and for `estimate`'s breakdown), equal bit for bit (`tests/policies/test_cost_arrays.py`,
-`test_cost_equivalence.py`). A change to a term goes into both.
+One implementation (issue 40): `candidate_costs`, one pass of plain arithmetic over the
+candidates (no call or object per term), at every fleet size; its ``breakdown`` gives the
+terms one by one, which `estimate` returns for one replica. A numpy form of the same
+terms was faster from a few hundred replicas on (~0.48 against ~0.68 ms a decision at
+512) but cost ~70 us a decision at one replica (against ~12): small fleets are the
+common case, so the plain form is the one kept.
 """
 # ruff: noqa: FURB136  (`candidate_costs` spells min/max as conditional expressions: no call each)
 
@@ -62,10 +63,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
-
-import numpy as np
-import numpy.typing as npt
 
 from policies.base import RequestContext, RoutingInputs
 from policies.placement import spread_mean
@@ -75,8 +72,6 @@ from replicas.model import ReplicaView
 
 _NO_MATCH = PrefixMatch()
 _ID = operator.attrgetter("id")
-F64 = npt.NDArray[np.float64]
-I64 = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +212,8 @@ def request_terms(
 
 @dataclass(slots=True, eq=False)
 class Costs:
-    """`candidate_costs`' answer: per candidate, lists aligned with ``replicas``."""
+    """`candidate_costs`' answer: per candidate, lists aligned with ``replicas``
+    (``breakdown``: every candidate's terms, when asked for)."""
 
     replicas: list[ReplicaId]
     terms: RequestTerms
@@ -225,18 +221,19 @@ class Costs:
     uncached_tokens: list[int]
     prefill_s: list[float]
     total_s: list[float]
+    breakdown: list[TtftEstimate] | None = None
 
 
 def candidate_costs(
     ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView],
-    home: ReplicaId | None, p: CacheAwareParams,
+    home: ReplicaId | None, p: CacheAwareParams, breakdown: bool = False,
 ) -> Costs:
     """The estimated TTFT of every candidate (the formula above), in one pass of plain
-    arithmetic over the views' fields: no call or object per term, so a decision over a
-    few replicas costs a few microseconds. Each term is the same IEEE operations as in
-    `estimate_arrays`, summed in the same order (prefill, queue, interference, eviction,
-    affinity, externality, placement), so the two are equal bit for bit
-    (`tests/policies/test_cost_arrays.py`); `estimate` gives one replica's terms."""
+    arithmetic over the views' fields: no call or object per term, so a decision costs a
+    few microseconds over a few replicas and stays linear in a large fleet. The terms are
+    summed in the order of `TtftEstimate.total_s` (prefill, queue, interference, eviction,
+    affinity, externality, placement); ``breakdown`` also returns them one by one
+    (`estimate`), for tests and inspection."""
     t = request_terms(ctx, inputs, home, p)
     prompt, bt = max(ctx.est_prompt_tokens, 0), ctx.block_tokens
     pf, hl = p.prefill_tokens_per_s, p.host_load_tokens_per_s
@@ -254,6 +251,7 @@ def candidate_costs(
     uncached_l: list[int] = []
     prefill_l: list[float] = []
     total_l: list[float] = []
+    parts: list[TtftEstimate] | None = [] if breakdown else None
     # ``b if b > a else a`` is ``max(a, b)`` and ``b if b < a else a`` is ``min(a, b)``
     # (the builtins' very results, -0.0 and NaN included), without a call each
     for v in candidates:
@@ -269,7 +267,11 @@ def candidate_costs(
         uncached = prompt - device - host
         uncached_s = uncached / pf
         prefill = uncached_s + host / hl
-        queue = v.prefill_ahead(uncached) / pf  # admission-aware (replicas.admission)
+        if v.held_prefill:  # admission holds requests: only those no larger go first
+            queue = v.prefill_ahead(uncached) / pf
+        else:  # `ReplicaView.prefill_ahead` without held requests, without the call
+            pending, waiting = v.pending_prefill_tokens, v.reported_waiting_uncached_tokens
+            queue = (waiting if waiting > pending else pending) / pf
         running = v.reported_running if v.reported_running > v.decoding else v.decoding
         interference = decode_w * running
         if running > 0 and uncached > 0 and chunk > 0:
@@ -309,7 +311,10 @@ def candidate_costs(
         uncached_l.append(uncached)
         prefill_l.append(prefill)
         total_l.append(prefill + queue + interference + eviction + affinity + externality + placement)
-    return Costs(ids, t, cached_l, uncached_l, prefill_l, total_l)
+        if parts is not None:
+            parts.append(TtftEstimate(rid, device + host, uncached, prefill, queue, interference, eviction,
+                                      affinity, externality, placement))
+    return Costs(ids, t, cached_l, uncached_l, prefill_l, total_l, parts)
 
 
 def estimate(
@@ -317,147 +322,12 @@ def estimate(
     p: CacheAwareParams,
 ) -> TtftEstimate:
     """The TTFT estimate of routing this request to ``view``, term by term (for tests and
-    inspection; decisions use `candidate_costs` or `estimate_arrays`)."""
-    return estimate_arrays(ctx, inputs, [view], home, p).one(0)
+    inspection; decisions use `candidate_costs` over every candidate)."""
+    parts = candidate_costs(ctx, inputs, [view], home, p, breakdown=True).breakdown
+    assert parts is not None
+    return parts[0]
 
 
 def score_floor_s(p: CacheAwareParams) -> float:
     """The floor that makes a relative score tolerance mean "tie_tolerance or tie_tolerance_s"."""
     return p.tie_tolerance_s / p.tie_tolerance if p.tie_tolerance > 0 else p.tie_tolerance_s
-
-
-# ---------------------------------------------------------------- every candidate at once
-_VIEW_FIELDS = operator.attrgetter(
-    "device_tokens", "host_tokens", "pending_prefill_tokens", "reported_waiting_uncached_tokens",
-    "decoding", "reported_running", "reported_waiting", "in_flight", "max_running_requests",
-)
-_MATCH_FIELDS = operator.attrgetter("device_blocks", "host_blocks")
-_HELD = operator.attrgetter("held_prefill")
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class EstimateArrays:
-    """`estimate` of every candidate, as numpy arrays aligned with ``replicas``."""
-
-    replicas: list[ReplicaId]
-    terms: RequestTerms
-    cached_tokens: I64
-    uncached_tokens: I64
-    prefill_s: F64
-    queue_s: F64
-    interference_s: F64
-    eviction_s: F64
-    affinity_s: F64
-    externality_s: F64
-    placement_s: F64
-    total_s: F64
-
-    def one(self, i: int) -> TtftEstimate:
-        return TtftEstimate(
-            self.replicas[i], int(self.cached_tokens[i]), int(self.uncached_tokens[i]),
-            *(float(a[i]) for a in (self.prefill_s, self.queue_s, self.interference_s, self.eviction_s,
-                                    self.affinity_s, self.externality_s, self.placement_s)),
-        )
-
-    def as_list(self) -> list[TtftEstimate]:
-        return [self.one(i) for i in range(len(self.replicas))]
-
-
-def _positions(ids: list[ReplicaId], replica: ReplicaId) -> list[int]:
-    """Where ``replica`` is in ``ids`` (once, in a fleet; the C-level list methods first)."""
-    count = ids.count(replica)
-    if count <= 1:
-        return [ids.index(replica)] if count else []
-    return [i for i, r in enumerate(ids) if r == replica]
-
-
-def _resident_share(before: I64, capacity: I64, cap: float) -> F64:
-    """`resident_fraction` of every candidate (0 without capacity)."""
-    share = np.divide(before, capacity, out=np.zeros(before.size), where=capacity > 0)
-    return np.where(capacity > 0, np.minimum(np.maximum(share, 0.0), cap), 0.0)
-
-
-def resident_fractions(inputs: RoutingInputs, candidates: Sequence[ReplicaView], cap: float = 1.5) -> F64:
-    """`resident_fraction` of every candidate, as an array."""
-    n = len(candidates)
-    capacity = np.fromiter((c.device_tokens + c.host_tokens for c in candidates), np.int64, n)
-    before = np.fromiter(map(inputs.resident_tokens.get, (c.id for c in candidates), repeat(0)), np.int64, n)
-    return _resident_share(before, capacity, cap)
-
-
-def estimate_arrays(
-    ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView],
-    home: ReplicaId | None, p: CacheAwareParams,
-) -> EstimateArrays:
-    """`estimate` of every candidate in one pass of numpy operations: the same terms, each
-    one the same IEEE operations in the same order as the scalar formula (so equal bit for
-    bit: `tests/policies/test_cost_equivalence.py`); Python work per replica is only the
-    reading of its fields."""
-    t = request_terms(ctx, inputs, home, p)
-    n, ids = len(candidates), [c.id for c in candidates]
-    v = np.fromiter(chain.from_iterable(map(_VIEW_FIELDS, candidates)), np.int64, 9 * n).reshape(n, 9)
-    dev_tok, host_tok, pending, waiting_tok, decoding, running_rep, waiting_rep, in_flight, slots = v.T
-    found = map(inputs.matches.get, ids, repeat(_NO_MATCH))
-    m = np.fromiter(chain.from_iterable(map(_MATCH_FIELDS, found)), np.int64, 2 * n).reshape(n, 2)
-    before = np.fromiter(map(inputs.resident_tokens.get, ids, repeat(0)), np.int64, n)
-    prompt, bt, pf = max(ctx.est_prompt_tokens, 0), ctx.block_tokens, p.prefill_tokens_per_s
-    device = np.minimum(m[:, 0] * bt, prompt)
-    host = np.minimum(m[:, 1] * bt, prompt - device)
-    if inputs.parent_session is not None:  # only the parent's replica may get parent tokens
-        for i in _positions(ids, inputs.parent_session.replica):
-            if device[i] + host[i] == 0:
-                device[i] = min(_parent_tokens(ctx, inputs, ids[i], p, t.any_match), prompt)
-    uncached = prompt - device - host
-    uncached_s = uncached / pf
-    running = np.maximum(decoding, running_rep)
-    interference = p.decode_weight_s * running
-    if p.prefill_chunk_tokens > 0:
-        chunks = -(-uncached // p.prefill_chunk_tokens)
-        interference = np.where((running > 0) & (uncached > 0), interference + chunks * p.decode_step_s, interference)
-    busy = np.maximum(in_flight, running_rep + waiting_rep)
-    saturated = (slots > 0) & (busy >= slots)
-    interference = np.where(saturated, interference + p.saturation_penalty_s * (busy - slots + 1), interference)
-    capacity = dev_tok + host_tok
-    crowd = _resident_share(before, capacity, 1.5)
-    ahead = np.maximum(pending, waiting_tok)
-    if any(map(_HELD, candidates)):  # admission holds requests: `prefill_ahead` decides there
-        for i, c in enumerate(candidates):
-            if c.held_prefill:
-                ahead[i] = c.prefill_ahead(int(uncached[i]))
-    parts = (
-        uncached_s + host / p.host_load_tokens_per_s,
-        ahead / pf,
-        interference,
-        _eviction_array(ctx, inputs, ids, before, capacity, t, p),
-        _affinity_array(ids, m, bt, prompt, t, p),
-        uncached_s * (p.queue_externality + p.crowd_weight * crowd * uncached_s),
-        np.zeros(n) if t.spread_mean is None else p.spread_weight * np.maximum(before - t.spread_mean, 0.0) / pf,
-    )
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return EstimateArrays(ids, t, device + host, uncached, *parts, total)
-
-
-def _eviction_array(
-    ctx: RequestContext, inputs: RoutingInputs, ids: list[ReplicaId], before: I64, capacity: I64,
-    t: RequestTerms, p: CacheAwareParams,
-) -> F64:
-    own = np.zeros(len(ids), dtype=np.int64)
-    if inputs.session is not None:
-        own[_positions(ids, inputs.session.replica)] = t.home_cached if t.home_lost else inputs.session.tokens
-    need = np.maximum(before - own, 0) + ctx.est_prompt_tokens + (ctx.max_tokens or 0)
-    overflow = np.maximum(np.maximum(need - capacity, 0) - np.maximum(before - capacity, 0), 0)
-    return np.where(capacity > 0, overflow / p.prefill_tokens_per_s * p.eviction_weight, 0.0)
-
-
-def _affinity_array(
-    ids: list[ReplicaId], m: I64, bt: int, prompt: int, t: RequestTerms, p: CacheAwareParams,
-) -> F64:
-    if t.home is None:
-        return np.zeros(len(ids))
-    abandoned = t.home_cached - np.minimum((m[:, 0] + m[:, 1]) * bt, prompt)
-    margin = 0.0 if t.home_lost else p.move_margin_s
-    out: F64 = margin + p.abandon_weight * np.maximum(abandoned, 0) / p.prefill_tokens_per_s
-    out[_positions(ids, t.home)] = 0.0
-    return out

@@ -263,3 +263,38 @@ def test_long_first_turn_goes_where_fewer_sessions_live() -> None:
     crowded = estimate(ctx(240_000, max_tokens=0), snap, views[0], None, p)
     quiet = estimate(ctx(240_000, max_tokens=0), snap, views[1], None, p)
     assert crowded.externality_s > quiet.externality_s
+
+
+@pytest.mark.parametrize("n", [3, 64])
+def test_a_decision_evaluates_the_model_once(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One decision evaluates the cost model once per candidate (N, not 2N+1), in one
+    `candidate_costs` pass whatever the fleet size: the explainer takes the scorer's
+    estimates back."""
+    from policies import cache_aware, ttft_cost
+
+    views = [view(i, in_flight=i) for i in range(n)]
+    snap = inputs(views)
+    calls: list[list[ReplicaId]] = []
+    real = ttft_cost.candidate_costs
+
+    def counting(*args: object, **kw: object) -> ttft_cost.Costs:
+        calls.append([c.id for c in args[2]])  # type: ignore[attr-defined]
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cache_aware, "candidate_costs", counting)
+    make_policy("cache-aware", seed=0).decide(ctx(10_000, session="s"), snap, random.Random(0))
+    assert calls == [[v.id for v in views]]
+
+
+def test_estimate_is_the_decision_s_breakdown() -> None:
+    """`estimate` (one replica, term by term) sums to the total a decision compares."""
+    from policies.ttft_cost import candidate_costs
+
+    views = [view(0, decoding=3, pending_prefill_tokens=20_000), view(1, reported_running=70)]
+    c = ctx(50_000, session="s")
+    snap = inputs(views, matches={rid(0): held(20_000)}, session=SessionEntry(rid(0), 30_000, NOW - 5),
+                  resident={rid(0): 400_000, rid(1): 600_000})
+    p = CacheAwareParams()
+    costs = candidate_costs(c, snap, views, rid(0), p)
+    for v, total in zip(views, costs.total_s, strict=True):
+        assert estimate(c, snap, v, rid(0), p).total_s == total

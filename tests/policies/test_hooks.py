@@ -37,7 +37,7 @@ async def test_on_routed_records_chain_and_session() -> None:
     assert match[d.replica].blocks == 100
     assert await index.get_session("s1") == SessionEntry(d.replica, 6_500, 100.0)
     timings = policy.timings()
-    assert timings["hook/standard.on_routed"].calls == 1 and timings["one-pass/cache-aware"].calls == 1
+    assert timings["hook/standard.on_routed"].calls == 1 and timings["scorer/ttft"].calls == 1
 
 
 async def test_on_completed_truncates_on_a_large_miss_and_updates_session_size() -> None:

@@ -7,7 +7,7 @@ import random
 
 from policies.registry import make_policy
 from policies.routing import ExactMatch, is_exact, merge_matches, token_context
-from policies.ttft_cost import CacheAwareParams, estimate_arrays, request_terms
+from policies.ttft_cost import CacheAwareParams, candidate_costs, request_terms
 from prefix_index.base import PrefixMatch, ReplicaId, SessionEntry
 from tests.policies.support import BLOCK_TOKENS, ctx, inputs, rid, view
 
@@ -63,8 +63,8 @@ def test_the_lost_home_is_charged_the_eviction_its_recompute_causes() -> None:
     predicted = inputs(views, matches={rid(0): PrefixMatch(0, 0)}, session=session, resident=full)
     assert request_terms(c, lost, rid(0), p).home_lost
     assert not request_terms(c, predicted, rid(0), p).home_lost
-    home_lost, other = estimate_arrays(c, lost, views, rid(0), p).as_list()
-    home_predicted, _ = estimate_arrays(c, predicted, views, rid(0), p).as_list()
+    home_lost, other = candidate_costs(c, lost, views, rid(0), p, breakdown=True).breakdown or []
+    home_predicted, _ = candidate_costs(c, predicted, views, rid(0), p, breakdown=True).breakdown or []
     assert home_predicted.eviction_s < home_lost.eviction_s == other.eviction_s
     assert other.affinity_s == 0.0  # nothing left to abandon, no margin
 
