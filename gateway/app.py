@@ -3,9 +3,9 @@
 ``create_app(settings)`` builds an app whose lifespan owns every long-lived object,
 kept on ``app.state.gateway`` (a ``Gateway``), never in module globals:
 
-- the request path's upstream client (``upstream.client``: ``gateway.h1_upstream.H1Upstream``
-  by default, or ``gateway.upstream.AiohttpUpstream``; both a bounded pool; it carries no default headers of its own, so the
-  replica sees the client's headers, cleaned by ``relay.upstream_headers``), and one
+- the request path's upstream client (``gateway.upstream.AiohttpUpstream``, a bounded
+  pool; it carries no default headers of its own, so the replica sees the client's
+  headers, cleaned by ``relay.upstream_headers``), and one
   shared ``httpx.AsyncClient`` for probes (unit tests inject a transport into it, and
   the request path then goes through it too),
 - the prefix index (``prefix_index.factory.make_index``),
@@ -56,13 +56,10 @@ from gateway.bodies import header_map, read_body
 from gateway.client_watch import ClientWatch
 from gateway.context import build_context
 from gateway.errors import GatewayError
-from gateway.h1_probes import H1Getter
-from gateway.h1_upstream import H1Upstream
 from gateway.kv_wiring import attach_precise
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_document
-from gateway.proxy import CLIENT_CLOSED, PINNED, Begun, Proxy
-from gateway.push_relay import ChunkWriter, edge_writer
+from gateway.proxy import CLIENT_CLOSED, PINNED, Proxy
 from gateway.relay import (
     ClosingResponse,
     HeaderPolicy,
@@ -74,17 +71,15 @@ from gateway.relay import (
 from gateway.responses_store import Tenants, make_responses_store
 from gateway.router import LOCAL_SESSIONS, FleetListener, Router
 from gateway.scaling import ScaleLoop, make_annotator
-from gateway.server import RESUME_EXTENSION
 from gateway.settings import Settings
-from gateway.upstream import AiohttpUpstream, HttpxUpstream, Upstream
-from gateway.upstream_config import UpstreamConfig
+from gateway.upstream import AiohttpUpstream, replica_ssl
 from policies.base import RequestContext
 from policies.framework import Pipeline
 from policies.registry import make_policy
 from prefix_index.base import PrefixIndex
 from prefix_index.factory import make_index
 from replicas.discovery import make_discovery
-from replicas.probe import AiohttpGetter, Getter
+from replicas.probe import AiohttpGetter
 from replicas.registry import Registry
 from replicas.shared_state import SharedState
 
@@ -94,18 +89,15 @@ ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completion
                   "messages": "/v1/messages", "responses": "/v1/responses"}
 
 
-def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The probe client (the registry's): explicit timeouts, pool limits, no default headers.
-
-    ``transport`` replaces the network (unit tests inject ``httpx.MockTransport``); the
-    request path then goes through this client too (``HttpxUpstream``), else through
-    ``make_upstream``'s."""
+def make_client(settings: Settings) -> httpx.AsyncClient:
+    """The control plane's client (server info, models, KV-event discovery, Responses
+    relays, scale annotations): explicit timeouts, pool limits, no default headers."""
     timeout = httpx.Timeout(connect=settings.upstream.connect_timeout_s, read=settings.upstream.read_timeout_s,
                             write=settings.upstream.read_timeout_s, pool=settings.upstream.first_byte_timeout_s)
     limits = httpx.Limits(max_connections=settings.upstream.max_connections,
                           max_keepalive_connections=settings.upstream.max_connections, keepalive_expiry=30.0)
     client = httpx.AsyncClient(timeout=timeout, limits=limits, http1=True, http2=False,
-                               follow_redirects=False, trust_env=False, transport=transport)
+                               follow_redirects=False, trust_env=False, verify=replica_ssl(settings.upstream))
     for name in ("accept", "accept-encoding", "user-agent", "connection"):
         client.headers.pop(name, None)
     return client
@@ -115,9 +107,7 @@ class Gateway:
     """Everything a request needs, built by the lifespan and kept on ``app.state``."""
 
     def __init__(self, settings: Settings, client: httpx.AsyncClient, index: PrefixIndex,
-                 registry: Registry, policy: Pipeline, *, shared_state: bool = False,
-                 upstream: Upstream | None = None) -> None:
-        """``upstream``: the request path's client (default: ``HttpxUpstream(client)``)."""
+                 registry: Registry, policy: Pipeline, *, shared_state: bool = False) -> None:
         self.settings = settings
         self.client = client
         self.index = index
@@ -137,7 +127,7 @@ class Gateway:
         self.admission = Admission(settings.admission, on_waited=self.metrics.admission_waited)
         registry.held_prefill = self.admission.held
         registry.add_listener(self.admission)
-        self.proxy = Proxy(settings.upstream, upstream or HttpxUpstream(client), self.router, registry,
+        self.proxy = Proxy(settings.upstream, AiohttpUpstream(settings.upstream), self.router, registry,
                            self.metrics, self.hits, shared_state=shared_state, admission=self.admission)
         self.header_policy = HeaderPolicy.from_config(settings.upstream)
         index_cfg = settings.index
@@ -177,11 +167,6 @@ class Gateway:
     async def handle(self, request: Request, endpoint: str) -> Response:
         """One inference request: read, parse once, route and relay."""
         started_s = time.perf_counter()
-        begun: Begun | None = request.scope.get("extensions", {}).get(RESUME_EXTENSION)
-        if begun is not None:  # routed on the callbacks path (gateway.callback_path): on from there
-            writer = edge_writer(request.scope)
-            response = await self._until_client_leaves(request, writer, self.proxy.resume(begun, writer))
-            return self._finished(begun.attempt.ctx, response, begun.attempt.started_s)
         try:
             raw_headers: list[tuple[bytes, bytes]] = request.scope["headers"]
             headers = header_map(raw_headers)
@@ -203,10 +188,8 @@ class Gateway:
         peer = scope.get("client")
         out_headers = upstream_headers(raw_headers, self.header_policy, peer[0] if peer else None,
                                        scope.get("scheme", "http"))
-        writer = edge_writer(scope)
         response = await self._until_client_leaves(
-            request, writer, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s, pin,
-                                                writer))
+            request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s, pin))
         if isinstance(response, ClosingResponse) and endpoint == "responses":
             relayed = response
             try:
@@ -230,11 +213,10 @@ class Gateway:
         return response
 
     @staticmethod
-    async def _until_client_leaves(request: Request, writer: ChunkWriter | None,
-                                   forward: Awaitable[Response]) -> Response | None:
+    async def _until_client_leaves(request: Request, forward: Awaitable[Response]) -> Response | None:
         """``forward``'s response, or None when the client left first (``forward`` is then
         cancelled: the upstream request is closed and its lease released)."""
-        async with ClientWatch(request.receive, writer):
+        async with ClientWatch(request.receive):
             return await forward
         return None  # the client left (its cancellation was swallowed)
 
@@ -251,27 +233,15 @@ class Gateway:
         self.metrics.ejections(self.registry.ejections_total, (v.id for v in self.registry.views()))
 
 
-def make_upstream(config: UpstreamConfig) -> Upstream:
-    """The request path's client of ``upstream.client``."""
-    return H1Upstream(config) if config.client == "h1" else AiohttpUpstream(config)
-
-
-def make_probes(config: UpstreamConfig) -> Getter:
-    """The registry's probe client of ``upstream.client`` (a pool of its own)."""
-    return H1Getter() if config.client == "h1" else AiohttpGetter()
-
-
-def build_gateway(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> Gateway:
-    client = make_client(settings, transport)
+def build_gateway(settings: Settings) -> Gateway:
+    client = make_client(settings)
     index = make_index(settings.index)
     policy = make_policy(settings.policy.name, settings.policy.params, settings.policy.seed)
     shared_cfg = settings.registry.shared
     shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
-    # the network's own clients unless a test replaced the network (then all goes through ``client``)
-    probes = make_probes(settings.upstream) if transport is None else None
+    probes = AiohttpGetter(ssl=replica_ssl(settings.upstream))  # a pool of its own
     registry = Registry(settings.registry, client, shared=shared, clock=time.time, probes=probes)
-    upstream = make_upstream(settings.upstream) if transport is None else None
-    return Gateway(settings, client, index, registry, policy, shared_state=shared is not None, upstream=upstream)
+    return Gateway(settings, client, index, registry, policy, shared_state=shared is not None)
 
 
 def _install_routes(app: FastAPI) -> None:
@@ -318,11 +288,11 @@ def _install_routes(app: FastAPI) -> None:
         return Response(document, media_type="application/json")
 
 
-def create_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    """The gateway app; ``transport`` (tests only) replaces the network to the replicas."""
+def create_app(settings: Settings) -> FastAPI:
+    """The gateway app."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gateway = build_gateway(settings, transport)
+        gateway = build_gateway(settings)
         await gateway.start()
         app.state.gateway = gateway
         log.info("kvgate gateway on %s:%d, policy %s, %d static replica(s)", settings.host, settings.port,

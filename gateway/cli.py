@@ -25,7 +25,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sglang-args": ("replicas.sglang_args", "generate SGLang launch arguments from a replica profile"),
 }
 BENCH_EXTRA = frozenset({"rich", "matplotlib"})  # the `bench` extra's packages: the harness's, never serving's
-HUGE_PAGES = "gateway.huge_pages"  # `kvgate serve` executes itself again with malloc on huge pages
 
 
 def installed_version() -> str:
@@ -51,7 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``argv``: the arguments (default: this program's own, ``sys.argv``)."""
-    from_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] not in SUBCOMMANDS:  # also --version and --help
@@ -59,8 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     name = argv[0]
-    if name == "serve" and from_program:  # before the serving path's imports (gateway/huge_pages.py)
-        importlib.import_module(HUGE_PAGES).reexec_with_huge_pages()
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
     except ModuleNotFoundError as exc:

@@ -48,10 +48,8 @@ HIT_RATIO_WINDOW = 256  # requests in the "recent" cache hit ratio
 # causes of kvgate_upstream_retries_total (gateway/proxy.py's table); children made up front
 # every child of a labelled counter with a fixed vocabulary exists from start-up, at 0, so a
 # dashboard panel or an alert's rate() shows 0 rather than "No data" until the first event
-CLOSE_REASONS = ("idle", "header_timeout", "body_timeout", "evicted")  # kvgate_client_connections_closed_total
-REJECT_REASONS = ("connection_cap", "concurrency_cap", "shutting_down")  # kvgate_requests_rejected_total
+REJECT_REASONS = ("concurrency_cap", "body_timeout", "shutting_down")  # kvgate_requests_rejected_total
 SCALE_STAGES = ("index", "annotate", "tick")  # kvgate_scale_errors_total
-CALLBACK_OUTCOMES = ("answered", "handed_over", "client_left", "cut")  # kvgate_callback_path_requests_total
 RETRY_REASONS = ("connect", "disconnect", "head_timeout", "first_byte_timeout", "status_429", "status_503",
                  "status_5xx")
 
@@ -96,11 +94,6 @@ class GatewayMetrics:
         self.index_degraded = Counter("kvgate_index_degraded",
                                       "Index calls that failed or timed out (routing lost affinity)",
                                       registry=r)
-        self.callback_path = Counter(
-            "kvgate_callback_path_requests", "Requests taken on the callbacks path (gateway/callback_path.py), by "
-            "how they left it: answered there, handed to a task, client_left, cut at shutdown",
-            ["outcome"], registry=r)
-        self.callback_outcomes = {o: self.callback_path.labels(o) for o in CALLBACK_OUTCOMES}
         self.upstream_retries = Counter("kvgate_upstream_retries",
                                         "Attempts retried on another replica, by cause", ["reason"], registry=r)
         self.retry_budget_exhausted = Counter(
@@ -131,17 +124,10 @@ class GatewayMetrics:
                                     ["stage"], registry=r)
         for stage in SCALE_STAGES:
             self.scale_errors.labels(stage)
-        # client edge (gateway/server.py): connections and requests refused or closed by a bound
-        self.client_connections = Gauge("kvgate_client_connections", "Open client connections", registry=r)
-        self.client_connections_closed = Counter(
-            "kvgate_client_connections_closed",
-            "Client connections the gateway closed, by cause (idle, header_timeout, body_timeout, evicted)",
-            ["reason"], registry=r)
+        # client edge (gateway/server.py): requests refused by a bound
         self.requests_rejected = Counter(
-            "kvgate_requests_rejected", "Requests refused before routing, by cause (connection_cap, "
-            "concurrency_cap, shutting_down)", ["reason"], registry=r)
-        for reason in CLOSE_REASONS:
-            self.client_connections_closed.labels(reason)
+            "kvgate_requests_rejected", "Requests refused before routing, by cause (concurrency_cap, "
+            "body_timeout, shutting_down)", ["reason"], registry=r)
         for reason in REJECT_REASONS:
             self.requests_rejected.labels(reason)
         self.streams_cut_at_shutdown = Counter(

@@ -43,22 +43,16 @@ and fleet-wide (``RetryBudget``: retries in flight <= max(``retry_budget_min``,
 ``retry_budget_ratio`` x requests in flight)); beyond the budget the first error goes
 back to the client. A refused connection spends no budget: nothing was sent, so its retry
 adds no work anywhere (the budget bounds the extra work retries make), and a replica
-that dies under load must not fail the requests that were about to reach it. Streams are relayed chunk by chunk as they arrive (no decoding, no
-re-chunking); ``usage`` is sniffed from SSE lines and parsed once at the end
-(``gateway.relay``). The load lease is released and ``policy.on_completed`` called when
-the response ends, fails, or the client leaves (``RelayResponse`` runs the cleanup in a
-``finally`` shielded from cancellation). A buffered answer (``AnsweredResponse``) runs the
-same bookkeeping right after its body is handed to the client's transport, so the client
-does not wait for it; an answer that came whole with its head (``H1Response.arrived``) is
-taken without waiting, so without timers.
+that dies under load must not fail the requests that were about to reach it.
 
-The callbacks path (``gateway/callback_path.py``) runs a small whole-answer request's first
-attempt from the client connection's callback, with this class's own steps: ``lease_now``
-(the decision counted, the load leased, the hooks run, right after the decision),
-``begin`` (the request written on an idle connection, then routed as ``lease_now``
-does and the answer sink attached: the replica starts before the bookkeeping),
-``answered`` or ``abandon`` (the bookkeeping); a request it hands to its task goes on in
-``resume`` from where its first attempt stands (``Begun``), through the same ``_attempts``.
+Streams are relayed as the replica's bytes arrive: one ASGI send per read, no decoding,
+no re-chunking, one stall timer per stream (``gateway.stall_watch``); ``usage`` is found
+by a byte search for the key and parsed once at the end (``gateway.relay.UsageSniffer``).
+The load lease is released and ``policy.on_completed`` called when the response ends,
+fails, or the client leaves (``RelayResponse`` runs the cleanup in a ``finally`` shielded
+from cancellation). A buffered answer (``AnsweredResponse``) runs the same bookkeeping
+right after its body is handed to the client's transport, so the client does not wait
+for it.
 """
 from __future__ import annotations
 
@@ -66,32 +60,36 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from starlette.responses import Response
 
 from gateway import access_log
 from gateway.admission import Admission, AdmissionConfig
-from gateway.eager import run_now
-from gateway.errors import GatewayError, NoReplicaAvailable, UpstreamError, UpstreamTimeout
-from gateway.h1_upstream import H1Response, Sending
+from gateway.attempt import (
+    BLAMED,
+    CLIENT_CLOSED,
+    PINNED,
+    Attempt,
+    Failure,
+    Tries,
+    fails,
+    is_sse,
+    routing_headers,
+    stalled,
+    stream_broke,
+)
+from gateway.errors import NoReplicaAvailable, UpstreamError, UpstreamTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.push_relay import ChunkWriter, PushRun
 from gateway.relay import (
-    SSE_MEDIA,
     AnsweredResponse,
-    PushableStream,
     RelayResponse,
-    SentResponse,
     Usage,
     UsageSniffer,
     downstream_headers,
     error_response,
-    relayed_head,
     route_headers,
-    sse_error,
     usage_of_body,
 )
 from gateway.retry import PoisonBodies, RetryBudget
@@ -99,88 +97,19 @@ from gateway.router import Router
 from gateway.scaling import HitWindow
 from gateway.stall_watch import StallWatch
 from gateway.upstream import (
-    AnswerSink,
     ConnectFailed,
-    HeadersLike,
-    ResponseLike,
     Upstream,
     UpstreamFailure,
-    UpstreamTimedOut,
     next_chunk,
 )
 from gateway.upstream_config import UpstreamConfig
 from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext, RoutingInputs
 from prefix_index.base import ReplicaId
-from replicas.admission import Ticket
 from replicas.registry import LoadLease, Registry
 
-__all__ = ["CLIENT_CLOSED", "PINNED", "Begun", "Proxy"]
+__all__ = ["CLIENT_CLOSED", "PINNED", "Proxy"]
 
 log = logging.getLogger("kvgate.proxy")
-PINNED = "previous-response"  # the decision reason of a request pinned to its previous response's replica
-CLIENT_CLOSED = 499  # nginx's code for "client closed request", used in metrics/outcomes only
-BLAMED = frozenset({"connect", "disconnect", "head_timeout", "first_byte_timeout", "total_timeout"})
-
-
-class Failure(Exception):
-    """An attempt failed before the first byte. ``kind`` labels it (see the table);
-    ``response`` is the replica's answer when it answered (a 5xx, 503, 429), unread."""
-
-    def __init__(self, kind: str, error: GatewayError, response: ResponseLike | None = None) -> None:
-        super().__init__(error.message)
-        self.kind = kind
-        self.error = error
-        self.response = response
-
-    @property
-    def retryable(self) -> bool:
-        return self.kind != "total_timeout"
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One routed attempt: the decision, its lease, the open upstream response, its timing."""
-
-    ctx: RequestContext
-    decision: Decision
-    lease: LoadLease
-    started_s: float
-    ticket: Ticket | None = None  # its place in prefill admission (None: not gated)
-    response: ResponseLike | None = None
-    first_byte_s: float | None = None
-    last_byte_s: float | None = None
-    sniffer: UsageSniffer | None = None
-    complete: bool = False  # the stream reached its end
-    stream_error: str | None = None  # the stream broke or stalled after the first byte
-    closed: bool = False
-    answered_headers: list[tuple[bytes, bytes]] = dataclasses.field(default_factory=list)  # as the sink wrote them
-
-
-@dataclass(slots=True)
-class Begun:
-    """A request the callbacks path (``gateway.callback_path``) routed, handed to its task:
-    its first attempt (leased and routed, ``Proxy.lease_now``), the inputs of its decision
-    and what it sends. ``sent``: its request was written (``Proxy.begin``), and its answer's
-    head is in ``attempt.response``, or ``failure`` came instead; else the task sends it."""
-
-    attempt: Attempt
-    inputs: RoutingInputs
-    path: str
-    body: bytes
-    headers: list[tuple[bytes, bytes]]
-    sent: bool = False
-    failure: Failure | None = None
-
-
-@dataclass(slots=True)
-class Tries:
-    """One request's attempts so far: replicas tried, retries, a 5xx awaiting a second opinion."""
-
-    tried: set[ReplicaId] = dataclasses.field(default_factory=set)
-    retries: int = 0
-    judge: ReplicaId | None = None  # replica whose 5xx waits for another replica's answer
-    fingerprint: int | None = None  # of the body, computed at the first 5xx
-    holding: bool = False  # the current attempt is a retry holding a slot of the budget
 
 
 class Proxy:
@@ -207,14 +136,12 @@ class Proxy:
 
     async def forward(self, ctx: RequestContext, path: str, body: bytes,
                       headers: list[tuple[bytes, bytes]], started_s: float,
-                      pin: ReplicaId | None = None, writer: ChunkWriter | None = None) -> Response:
+                      pin: ReplicaId | None = None) -> Response:
         """Route, send, relay; failures come back as error responses in the shape of the
         request's API (``ctx.endpoint``). ``pin``: the only replica that may take it (the
         creator of a ``previous_response_id``): the policy decides with every other replica
         excluded, the decision's reason becomes ``previous-response``, nothing is retried
-        elsewhere. ``writer``: the client's edge writer (kvgate's own edge); a whole answer
-        is then written to the client from the upstream connection's callback
-        (``_answer_sink``)."""
+        elsewhere."""
         router = self.router
         inputs = await router.snapshot(ctx)
         try:
@@ -228,15 +155,7 @@ class Proxy:
             return error_response(NoReplicaAvailable(f"no replica can take this request ({exc})"),
                                   route_headers("none", "no-replica"), ctx.endpoint)
         self.budget.requests += 1
-        return await self._counted(self._attempts(ctx, inputs, decision, path, body, headers, started_s, writer))
-
-    async def resume(self, begun: Begun, writer: ChunkWriter | None = None) -> Response:
-        """A request the callbacks path routed, continued in its task: its first attempt
-        sent (when it was not), or the rest of it (its head, or the failure that ended it),
-        then failover as ``forward``'s. It is counted in the budget's requests already."""
-        attempt = begun.attempt
-        return await self._counted(self._attempts(attempt.ctx, begun.inputs, attempt.decision, begun.path,
-                                                  begun.body, begun.headers, attempt.started_s, writer, begun))
+        return await self._counted(self._attempts(ctx, inputs, decision, path, body, headers, started_s))
 
     async def _counted(self, attempts: Coroutine[Any, Any, Response]) -> Response:
         """``attempts``' response; the request leaves the budget's count of requests when it
@@ -249,90 +168,18 @@ class Proxy:
             if not isinstance(response, RelayResponse):
                 self.budget.requests -= 1
 
-    # ------------------------------------------------------------- the callbacks path
-    def lease_now(self, ctx: RequestContext, decision: Decision, started_s: float) -> Attempt:
-        """The first attempt of a request decided on the callbacks path, from the client
-        connection's callback (``gateway.callback_path``), right after its decision as
-        ``forward`` and ``_attempts`` do before anything yields (no herding): the decision
-        counted, the request in the budget's count, the load leased, the hooks run."""
-        self.router.count(decision)
-        self.budget.requests += 1
-        lease = self.registry.lease(decision.replica, decision.predicted_uncached_tokens)
-        run_now(self.router.routed(ctx, decision), "the on_routed hooks")
-        return self._attempt(ctx, decision, lease, started_s)
-
-    def begin(self, ctx: RequestContext, decision: Decision, started_s: float, conn: Sending, body: bytes,
-              writer: ChunkWriter) -> tuple[Attempt, asyncio.Future[H1Response]] | None:
-        """Write the request on ``conn`` (an idle connection to the decided replica, with the
-        request's head) from the callback, then route it (``lease_now``) and attach the
-        answer sink: the replica starts on the request while the gateway does its
-        bookkeeping, and nothing can come back before this callback returns (so the next
-        decision still sees this one, and the answer finds its sink). The whole answer goes
-        to the client through the sink; the future gets the answer's head. None, nothing
-        routed and the connection closed, when the write itself raises (the task path's
-        send treats that as a broken connection too): the caller starts over."""
-        connection, wire = conn
-        try:
-            head = connection.request(wire, body)
-        except Exception:  # noqa: BLE001  (e.g. a transport whose handle is already closed)
-            connection.abort()
-            return None
-        try:
-            attempt = self.lease_now(ctx, decision, started_s)
-        except BaseException:
-            connection.abort()  # (a bug: the request sent, nothing routed; the replica sees the close)
-            raise
-        response = connection.response
-        assert response is not None
-        response.answer_with(self._answer_sink(attempt, writer))
-        attempt.response = response  # (its head to come: ``head``)
-        return attempt, head
-
-    def begun_failure(self, attempt: Attempt, exc: BaseException | None) -> Failure:
-        """The failure of a begun attempt whose answer did not come whole: ``exc`` broke it,
-        or (None) its total timeout closed it."""
-        replica = attempt.decision.replica
-        return self._timeout("total_timeout", replica) if exc is None else self._failure(exc, "total_timeout", replica)
-
-    def answered(self, attempt: Attempt) -> None:
-        """A begun attempt whose sink wrote the whole answer: its bookkeeping, as
-        ``SentResponse`` runs it (in the callback, when nothing in it waits)."""
-        assert isinstance(attempt.response, H1Response)
-        sent, out = self._sink_answered(attempt, attempt.response)
-        self.budget.requests -= 1
-        run_now(self._sent(attempt, sent, out), "an answer's bookkeeping")
-
-    def abandon(self, attempt: Attempt, status: int) -> None:
-        """A begun attempt ended without its answer (the client left, shutdown cut it): its
-        bookkeeping, the request counted with ``status``."""
-        self.budget.requests -= 1
-        run_now(self._close(attempt, Outcome(ok=False, status=status)), "an abandoned request's bookkeeping")
-        self.metrics.request_done(attempt.ctx.endpoint, status, time.perf_counter() - attempt.started_s)
-
     async def _attempts(self, ctx: RequestContext, inputs: RoutingInputs, decision: Decision, path: str,
-                        body: bytes, headers: list[tuple[bytes, bytes]], started_s: float,
-                        writer: ChunkWriter | None = None, first: Begun | None = None) -> Response:
+                        body: bytes, headers: list[tuple[bytes, bytes]], started_s: float) -> Response:
         tries = Tries()
         try:
             while True:
-                if first is not None:  # routed on the callbacks path (``lease_now``), maybe sent (``begin``)
-                    attempt, begun, first = first.attempt, first, None
-                    tries.tried.add(attempt.decision.replica)
-                else:
-                    decision, lease = await self._lease(decision, tries.tried)
-                    tries.tried.add(decision.replica)
-                    await self.router.routed(ctx, decision)
-                    attempt = self._attempt(ctx, decision, lease, started_s)
-                    begun = None
+                decision, lease = await self._lease(decision, tries.tried)
+                tries.tried.add(decision.replica)
+                await self.router.routed(ctx, decision)
+                attempt = self._attempt(ctx, decision, lease, started_s)
                 try:
-                    if begun is None or not begun.sent:
-                        await self.admission.wait(attempt.ticket)
-                        response = await self._try(attempt, path, body, headers, writer)
-                    elif begun.failure is not None:
-                        raise begun.failure
-                    else:
-                        assert attempt.response is not None
-                        response = await self._after_head(attempt, attempt.response)
+                    await self.admission.wait(attempt.ticket)
+                    response = await self._try(attempt, path, body, headers)
                 except Failure as exc:
                     failure = exc
                 except BaseException:  # a cancellation (client gone) or a bug: release the load, re-raise
@@ -444,42 +291,20 @@ class Proxy:
             decision = dataclasses.replace(decision, replica=lease.replica, reason="reserve")
         return decision, lease
 
-    async def _try(self, attempt: Attempt, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
-                   writer: ChunkWriter | None = None) -> Response:
+    async def _try(self, attempt: Attempt, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> Response:
         """One attempt up to its first body byte (raises ``Failure``), then the relay."""
         replica = attempt.decision.replica
         stream = attempt.ctx.stream
         cfg = self.cfg
-        # (a Responses answer is recorded before it is sent: api_routes.ResponsesApi.record)
-        sink = self._answer_sink(attempt, writer) if writer is not None and not stream \
-            and attempt.ctx.endpoint != "responses" else None
         try:
             async with asyncio.timeout(cfg.head_timeout_s if stream else cfg.total_timeout_s):
-                response = attempt.response = await self.upstream.send(replica, path, body, headers, sink)
+                response = attempt.response = await self.upstream.send(replica, path, body, headers)
         except (TimeoutError, UpstreamFailure) as exc:
             raise self._failure(exc, "head_timeout" if stream else "total_timeout", replica) from exc
-        return await self._after_head(attempt, response)
-
-    async def _after_head(self, attempt: Attempt, response: ResponseLike) -> Response:
-        """The attempt from its final response head on (raises ``Failure``): the answer the
-        sink sent already, a whole one, a buffered one, or the relay of a stream."""
-        replica = attempt.decision.replica
-        stream = attempt.ctx.stream
-        cfg = self.cfg
-        if isinstance(response, H1Response):
-            if response.answered is not None:  # written to the client already, by the sink
-                sent, out = self._sink_answered(attempt, response)
-                return SentResponse(sent, response.status_code, out, lambda: self._sent(attempt, sent, out))
-            response.keep()  # from here the answer is this task's
         status = response.status_code
-        if _fails(status):
+        if fails(status):
             kind = f"status_{status}" if status in (429, 503) else "status_5xx"
             raise Failure(kind, UpstreamError(f"replica {replica} answered {status}"), response)
-        sse = _is_sse(response.headers)
-        whole = response.arrived() if isinstance(response, H1Response) and not sse else None
-        if whole is not None:  # the whole answer came with its head (a small one): nothing to wait for
-            self._first_byte(attempt)
-            return self._answer(attempt, whole, self._response_headers(attempt))
         chunks = response.aiter_raw()
         wait_s = cfg.first_byte_timeout_s if stream else cfg.total_timeout_s - (time.perf_counter() - attempt.started_s)
         try:
@@ -489,10 +314,10 @@ class Proxy:
             raise self._failure(exc, "first_byte_timeout" if stream else "total_timeout", replica) from exc
         self._first_byte(attempt)
         out_headers = self._response_headers(attempt)
-        if sse:
+        if is_sse(response.headers):
             attempt.sniffer = UsageSniffer()
-            relayed = _Stream(attempt, first, lambda: self._relay(attempt, first, chunks), cfg.stall_timeout_s)
-            return RelayResponse(relayed, status, out_headers, lambda: self._stream_closed(attempt))
+            return RelayResponse(self._relay(attempt, first, chunks), status, out_headers,
+                                 lambda: self._stream_closed(attempt))
         return await self._buffered(attempt, first, chunks, out_headers)
 
     def _attempt(self, ctx: RequestContext, decision: Decision, lease: LoadLease, started_s: float) -> Attempt:
@@ -505,17 +330,10 @@ class Proxy:
         attempt.lease.first_byte()
         self.admission.started(attempt.ticket)
 
-    def _sink_answered(self, attempt: Attempt, response: H1Response) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-        """The answer the sink wrote (its body and headers), its first and last byte noted."""
-        assert response.answered is not None
-        self._first_byte(attempt)
-        attempt.last_byte_s = time.perf_counter()
-        return response.answered, attempt.answered_headers
-
     def _failure(self, exc: BaseException, timeout_kind: str, replica: str) -> Failure:
         """An attempt's failure before its answer: a timeout (``timeout_kind``), a refused or a
         broken connection (the table above), anything else as a broken one."""
-        if isinstance(exc, (TimeoutError, UpstreamTimedOut)):
+        if isinstance(exc, TimeoutError):
             return self._timeout(timeout_kind, replica)
         if isinstance(exc, UpstreamFailure):
             return self._broken(exc, replica)
@@ -531,25 +349,6 @@ class Proxy:
             return Failure("connect", UpstreamError(f"cannot connect to replica {replica}"))
         return Failure("disconnect", UpstreamError(f"replica {replica} failed before answering ({exc})"))
 
-    def _answer_sink(self, attempt: Attempt, writer: ChunkWriter) -> AnswerSink:
-        """Writes a whole answer to the client from the upstream connection's callback
-        (``ChunkWriter.answer``) when the task would send it as it is: not an answer that
-        fails the attempt (5xx, 429: retried or judged by the task), not a stream."""
-        decision = attempt.decision
-
-        def answer(status: int, headers: HeadersLike, data: bytes) -> bool:
-            if _fails(status):  # (``sent_whole``, with the headers' one pass below)
-                return False
-            relayed, content_type = relayed_head(headers.raw)
-            if content_type.startswith(SSE_MEDIA):
-                return False
-            out = [*relayed, *_routing_headers(decision), (b"content-length", b"%d" % len(data))]
-            if not writer.answer(status, out, data):
-                return False
-            attempt.answered_headers = out
-            return True
-        return answer
-
     def _response_headers(self, attempt: Attempt) -> list[tuple[bytes, bytes]]:
         """The replica's headers, cleaned, plus the routing headers (raw)."""
         assert attempt.response is not None
@@ -557,7 +356,7 @@ class Proxy:
 
     @staticmethod
     def _client_headers(decision: Decision, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [*downstream_headers(raw), *_routing_headers(decision)]
+        return [*downstream_headers(raw), *routing_headers(decision)]
 
     async def _buffered(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes],
                         headers: list[tuple[bytes, bytes]]) -> Response:
@@ -566,7 +365,7 @@ class Proxy:
             while (chunk := await next_chunk(chunks, self.cfg.read_timeout_s)) is not None:
                 parts.append(chunk)
         except (TimeoutError, UpstreamFailure) as exc:
-            what = "stalled" if _stalled(exc) else f"broke ({exc})"
+            what = "stalled" if stalled(exc) else f"broke ({exc})"
             return await self._broken_body(attempt, f"replica {attempt.decision.replica} {what} mid-response")
         return self._answer(attempt, b"".join(parts) if len(parts) > 1 else first, headers)
 
@@ -598,7 +397,8 @@ class Proxy:
                               attempt.ctx.endpoint)
 
     async def _relay(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The pull relay: each chunk for an ASGI send (the push relay is ``_Stream.push``)."""
+        """The stream's bytes as they arrive, one chunk per read; a break or a stall ends it
+        with an SSE error event (``_stream_broke``)."""
         sniffer = attempt.sniffer
         assert sniffer is not None
         stall_s = self.cfg.stall_timeout_s
@@ -617,10 +417,10 @@ class Proxy:
                 sniffer.feed(chunk)
                 last = chunk
         except (asyncio.CancelledError, TimeoutError, UpstreamFailure) as exc:
-            stalled = watch.stalled(exc)  # this watch's own cancellation, taken back
-            if isinstance(exc, asyncio.CancelledError) and not stalled:
+            silent = watch.stalled(exc)  # this watch's own cancellation, taken back
+            if isinstance(exc, asyncio.CancelledError) and not silent:
                 raise
-            yield _stream_broke(attempt, exc, stalled or _stalled(exc), stall_s, last.endswith(b"\n\n"))
+            yield stream_broke(attempt, exc, silent or stalled(exc), stall_s, last.endswith(b"\n\n"))
             return
         finally:
             watch.close()
@@ -675,78 +475,3 @@ class Proxy:
         metrics.timing(outcome.ttft_s, itl)
         access_log.record(attempt.ctx, attempt.decision, outcome)
         await self.router.completed(attempt.ctx, attempt.decision, outcome)
-
-
-class _Stream(PushableStream):
-    """A relayed answer after its first chunk: pulled through the proxy's generator, or
-    pushed when the upstream answer can push (``H1Response``) and the edge can write."""
-
-    __slots__ = ("_pull", "_pulled", "attempt", "first", "stall_s")
-
-    def __init__(self, attempt: Attempt, first: bytes, pull: Callable[[], AsyncIterator[bytes]],
-                 stall_s: float) -> None:
-        self.attempt, self.first, self.stall_s = attempt, first, stall_s
-        self._pull = pull
-        self._pulled: AsyncIterator[bytes] | None = None
-
-    async def __anext__(self) -> bytes:
-        if self._pulled is None:
-            self._pulled = self._pull()
-        return await anext(self._pulled)
-
-    def can_push(self) -> bool:
-        return isinstance(self.attempt.response, H1Response)
-
-    async def push(self, writer: ChunkWriter) -> None:
-        attempt = self.attempt
-        sniffer, response = attempt.sniffer, attempt.response
-        assert sniffer is not None and isinstance(response, H1Response)
-        writer.write(self.first)
-        sniffer.feed(self.first)
-        try:
-            await PushRun(response, writer, self.stall_s, sniffer.feed).run()
-        except (TimeoutError, UpstreamFailure) as exc:
-            writer.write(_stream_broke(attempt, exc, _stalled(exc), self.stall_s, writer.boundary))
-            return
-        finally:
-            attempt.last_byte_s = time.perf_counter()
-        attempt.complete = True
-
-
-def _stream_broke(attempt: Attempt, exc: BaseException, stalled: bool, stall_s: float, boundary: bool) -> bytes:
-    """A stream that broke or stalled after its first byte: noted on the attempt; the
-    bytes that end it for the client (an SSE error event in the request's API, and
-    ``[DONE]`` for OpenAI's)."""
-    what = f"stalled for {stall_s:g} s" if stalled else f"failed mid-stream ({exc})"
-    attempt.stream_error = f"replica {attempt.decision.replica} {what}"
-    return (b"" if boundary else b"\n\n") + sse_error(attempt.stream_error, api=attempt.ctx.endpoint)
-
-
-def sent_whole(status: int, headers: HeadersLike) -> bool:
-    """An answer the answer sink sends on as it is, once whole: not one that fails its
-    attempt, not a stream."""
-    return not (_fails(status) or _is_sse(headers))
-
-
-def _routing_headers(decision: Decision) -> tuple[tuple[bytes, bytes], ...]:
-    """The routing headers on every answer: where it went, why, the cache it expected."""
-    return ((b"x-kvgate-replica", decision.replica.encode("latin-1")),
-            (b"x-kvgate-route-reason", decision.reason.encode("latin-1")),
-            (b"x-kvgate-expected-cached-tokens", str(decision.predicted_cached_tokens).encode("latin-1")))
-
-
-def _fails(status: int) -> bool:
-    """An answer that fails its attempt (a 5xx, 429): retried or judged, never sent as it is."""
-    return status >= 500 or status == 429
-
-
-_SSE_MEDIA = SSE_MEDIA.decode("latin-1")  # (``HeadersLike.get`` answers str)
-
-
-def _is_sse(headers: HeadersLike) -> bool:
-    return headers.get("content-type", "").startswith(_SSE_MEDIA)
-
-
-def _stalled(exc: BaseException) -> bool:
-    """A body that went silent (as opposed to one that broke)."""
-    return isinstance(exc, (TimeoutError, UpstreamTimedOut))

@@ -11,16 +11,14 @@
 - headers: ``upstream_headers`` (the client's, cleaned: hop-by-hop, ``Expect``,
   ``x-kvgate-*``, credentials; ``X-Forwarded-*`` added), ``downstream_headers`` (the
   replica's, cleaned), the routing headers; ``json_response`` / ``error_response`` (errors in the request's API's shape).
-- ``RelayResponse``: the relayed stream; its cleanup always runs (end, error, client
-  disconnect), shielded from cancellation. Its content is pushed when it can be
-  (``gateway/push_relay.py``), else pulled.
+- ``RelayResponse``: the relayed stream, one ASGI send per chunk read; its cleanup always
+  runs (end, error, client disconnect), shielded from cancellation.
 - ``AnsweredResponse``: a replica's buffered answer; the request's bookkeeping runs after
   the body is handed to the client's transport (off the added latency), and always.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -30,7 +28,6 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.client_watch import ClientWatch
 from gateway.errors import GatewayError, UpstreamError, anthropic_error_body, api_of, error_body
-from gateway.push_relay import ChunkWriter, edge_writer
 from gateway.upstream_config import UpstreamConfig
 
 HOP_BY_HOP = frozenset({
@@ -299,17 +296,6 @@ def sse_error(message: str, type_: str = UpstreamError.type, code: str | int = 5
     return b"data: " + orjson.dumps(error_body(message, type_, code)) + b"\n\ndata: [DONE]\n\n"
 
 
-class PushableStream(AsyncIterator[bytes]):
-    """A stream that may also write itself into the client's transport."""
-
-    def can_push(self) -> bool:
-        return False
-
-    async def push(self, writer: ChunkWriter) -> None:
-        """Write every chunk with ``writer`` (all but the response's last, empty one)."""
-        raise NotImplementedError
-
-
 class ClosingResponse(Response):
     """A response whose ``on_close`` (the request's bookkeeping) must run once, whatever happens."""
 
@@ -321,11 +307,8 @@ class ClosingResponse(Response):
 
 
 class RelayResponse(ClosingResponse):
-    """A relayed stream: the head, then each chunk of ``body_iterator`` as it comes.
-
-    Pushed (``content.push``) when the server handed a ``ChunkWriter`` (the scope's
-    ``PUSH_EXTENSION``: kvgate's own edge) and the content can push; else each chunk goes
-    through ASGI ``send``. It ends when the content does, or when the client leaves
+    """A relayed stream: the head, then each chunk of ``body_iterator`` as it comes, one
+    ASGI ``send`` per chunk. It ends when the content does, or when the client leaves
     (``ClientWatch`` cancels the relay; the replica's request is then closed by
     ``on_close``); ``on_close`` always runs, shielded from cancellation. Plain asyncio: no
     anyio task group per stream (Starlette's ``StreamingResponse`` starts one, with two
@@ -346,17 +329,11 @@ class RelayResponse(ClosingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with ClientWatch(receive, edge_writer(scope)):
+            async with ClientWatch(receive):
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-                content = self.body_iterator
-                writer = edge_writer(scope)
-                if isinstance(content, PushableStream) and writer is not None and writer.ready() \
-                        and content.can_push():
-                    await content.push(writer)
-                else:
-                    async for chunk in content:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await asyncio.shield(self._on_close())
@@ -381,33 +358,13 @@ class AnsweredResponse(ClosingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        writer = edge_writer(scope)
         try:
-            with writer.one_write() if writer is not None else contextlib.nullcontext():
-                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-                await send({"type": "http.response.body", "body": self.body})
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.body})
         except BaseException:
             await asyncio.shield(self._on_close())
             raise
         await self._on_close()
-
-
-class SentResponse(ClosingResponse):
-    """A replica's whole answer that its upstream connection already wrote to the client
-    (``gateway.push_relay.ChunkWriter.answer``, from the connection's callback: no wake-up
-    of the request's task, no ASGI layers on the way); "sending" it runs its bookkeeping."""
-
-    def __init__(self, body: bytes, status_code: int, headers: list[tuple[bytes, bytes]],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
-        """``headers``: as written, ``content-length`` included."""
-        self.body = body
-        self.status_code = status_code
-        self.background = None
-        self.raw_headers = headers
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await asyncio.shield(self._on_close())
 
 
 TAIL_PARSE_MIN_BYTES = 4096  # smaller bodies are parsed whole

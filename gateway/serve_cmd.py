@@ -1,20 +1,20 @@
-"""`kvgate serve`: run the gateway (FastAPI on uvicorn).
+"""`kvgate serve`: run the gateway (FastAPI on Granian, ``gateway/server.py``).
 
 Every flag is a shortcut for one settings field (``FLAG_FIELDS``); ``--set a.b=v`` sets
 any other field (the value is parsed as JSON when it parses, else taken as a string).
 Flags override the environment (``KVGATE_...``), which overrides ``--config``.
 
-Server: uvicorn on uvloop with the gateway's own httptools protocol and server
-(``gateway/server.py``: idle/header/body deadlines, connection and concurrency caps,
-graceful shutdown), access log off. The listeners are bound here first (the main one,
-and ``admin.port``'s when set), then the admin token is resolved (``admin.token``, or
-``admin.token_file``, or generated into a 0600 file whose path is logged and which is
-removed at exit). ``--workers N`` runs N gateway processes on those sockets (uvicorn's
-supervisor; each child builds its own app and server from the same settings, handed to
-it inside the pickled process object over multiprocessing's pipe: ``EdgeAppFactory``,
-never through the environment, where the admin token and the replica API key would be
-inherited by every child process and readable in ``/proc/<pid>/environ``). Workers share routing state only through Redis
-(``--redis-url``): without it each has its own prefix index, and affinity is per worker.
+Server: embedded Granian on uvloop (``gateway/server.py``: header and body deadlines,
+connection and concurrency caps, graceful shutdown). The ports are reserved here first
+(the main one, and ``admin.port``'s when set), then the admin token is resolved
+(``admin.token``, or ``admin.token_file``, or generated into a 0600 file whose path is
+logged and which is removed at exit). ``--workers N`` runs N gateway processes on those
+ports (``Workers``; each child builds its own app and server from the same settings,
+handed to it inside the pickled process object: ``AppFactory``, never through the
+environment, where the admin token and the replica API key would be inherited by every
+child process and readable in ``/proc/<pid>/environ``). Workers share routing state only
+through Redis (``--redis-url``): without it each has its own prefix index, and affinity is
+per worker.
 
 A bad configuration (file syntax, a field's value, an unreadable token file) is one
 line on stderr, ``kvgate serve: config file X, line N: field a.b: ...``, exit 2.
@@ -27,30 +27,33 @@ scan only what requests allocate (they were the 400 KB request's p99: +30 ms).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import errno
 import gc
 import json
 import logging
+import multiprocessing
+import os
+import resource
 import signal
 import socket
 import sys
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
-from uvicorn.config import STARTUP_FAILURE
-from uvicorn.server import Server
-from uvicorn.supervisors.multiprocess import Multiprocess, Process
-
 from gateway import access_log
-from gateway.edge import Edge, EdgeProtocol, connection_limit
-from gateway.server import EdgeApp, GatewayServer
 from gateway.settings import Settings, load_settings, set_path
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from starlette.types import Receive, Scope, Send
 
+    from gateway.metrics import GatewayMetrics
+
 log = logging.getLogger("kvgate.serve")
+FD_MARGIN = 64  # files, Redis, listeners, logs beside client and upstream connections
 
 # flag dest -> settings fields (dotted); flags left unset do not override anything.
 # --redis-url is what several gateways share: the prefix index and the replica state.
@@ -176,12 +179,11 @@ def run(args: argparse.Namespace) -> int:
         log.warning("admin API: no token configured; generated one into %s (mode 0600; removed at exit)",
                     generated)
     log.info("effective config: %s", json.dumps(settings.redacted_dump(), sort_keys=True))
-    # uvicorn re-raises the SIGTERM it caught once it has shut down: exit through this
-    # handler (status 143, as a signal death would) so the ``finally`` below still runs
-    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        serve(settings, sockets, getattr(args, "workers", 1) or 1)
+        serve(settings, getattr(args, "workers", 1) or 1)
     finally:
+        for sock in sockets:
+            sock.close()
         if generated is not None:
             generated.unlink(missing_ok=True)
     return 0
@@ -194,23 +196,21 @@ def _log_setup(settings: Settings) -> None:
     access_log.configure(settings.server.access_log)
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def one_line(exc: BaseException) -> str:
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
 
 
 def bind_listeners(settings: Settings) -> tuple[Settings, list[socket.socket]]:
-    """Bind the main listener (and the admin one when ``admin.port`` is set); the settings
-    returned carry the bound ports (a port 0 becomes the one the kernel chose)."""
-    sockets = [_bind(settings.host, settings.port)]
+    """Reserve the main port (and the admin one when ``admin.port`` is set): a socket bound
+    with ``SO_REUSEPORT`` and never listening, kept for the life of the process, so a port 0
+    becomes the one the kernel chose and the listeners (``gateway.server``, in this process
+    or in every ``--workers`` child) bind it too. The settings returned carry the ports."""
+    sockets = [_reserve(settings.host, settings.port)]
     update: dict[str, Any] = {"port": sockets[0].getsockname()[1]}
     admin = settings.admin
     if admin.port is not None:
         try:
-            sockets.append(_bind(admin.host or settings.host, admin.port))
+            sockets.append(_reserve(admin.host or settings.host, admin.port))
         except OSError:
             sockets[0].close()
             raise
@@ -218,38 +218,59 @@ def bind_listeners(settings: Settings) -> tuple[Settings, list[socket.socket]]:
     return settings.model_copy(update=update), sockets
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _reserve(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
+        _check_free(host, sock.getsockname()[1])
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
-def uvicorn_config(app: Any, settings: Settings, workers: int, factory: bool = False) -> uvicorn.Config:
-    server = settings.server
-    return uvicorn.Config(app, factory=factory, workers=workers, log_level=settings.log_level,
-                          access_log=False, timeout_keep_alive=int(max(1.0, server.keep_alive_timeout_s)),
-                          timeout_graceful_shutdown=int(server.shutdown_grace_s), loop="uvloop",
-                          http=EdgeProtocol, ws="none", limit_concurrency=None, proxy_headers=False)
+def _check_free(host: str, port: int) -> None:
+    """Raise EADDRINUSE when something already listens on the port (``SO_REUSEPORT`` would
+    let the listeners share it with another process of this user)."""
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        if probe.connect_ex((target, port)) == 0:
+            raise OSError(errno.EADDRINUSE, "address already in use")
+    finally:
+        probe.close()
 
 
-def gateway_server(config: uvicorn.Config, settings: Settings) -> GatewayServer:
-    edge = Edge(settings.server, connection_limit(settings))
-    edge.admin_port = settings.admin.port
-    return GatewayServer(config, edge)
+def connection_limit(settings: Settings) -> int:
+    """``server.max_connections`` clamped below the open-file limit, which is raised to its
+    hard maximum first if needed: soft limit - upstream pool - ``FD_MARGIN``."""
+    wanted = settings.server.max_connections
+    need = wanted + settings.upstream.max_connections + FD_MARGIN
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit to %d: %s", target, exc)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    limit = max(1, min(wanted, soft - settings.upstream.max_connections - FD_MARGIN))
+    if limit < wanted:
+        log.warning("server.max_connections %d clamped to %d (open-file limit %d)", wanted, limit, soft)
+    return limit
 
 
-class EdgeAppFactory:
+class AppFactory:
     """The app of one process, built from the effective settings (with their secrets).
 
-    Picklable: a ``--workers`` child receives it inside its uvicorn config (uvicorn's
-    factory mode calls it there); the single process calls it directly.
-    """
+    Picklable: a ``--workers`` child receives it as its process's target (never through
+    the environment, where the admin token and the replica API key would be inherited by
+    every child process and readable in ``/proc/<pid>/environ``)."""
 
     def __init__(self, settings: Settings) -> None:
         data = settings.model_dump(mode="json")
@@ -261,86 +282,92 @@ class EdgeAppFactory:
     def settings(self) -> Settings:
         return Settings.model_validate(json.loads(self.settings_json))
 
-    def __call__(self) -> EdgeApp:
+    def run(self) -> None:
+        """Serve in this process until SIGTERM (a ``--workers`` child's target too)."""
         from gateway.app import create_app
-        from gateway.callback_path import CallbackPath
+        from gateway.server import Edge, EdgeApp, serve
 
         settings = self.settings()
         if not logging.getLogger().handlers:  # a --workers child: a fresh interpreter
             _log_setup(settings)
         fastapi_app = create_app(settings)
-        app = EdgeApp(InferenceFastPath(fastapi_app), lambda: fastapi_app.state.gateway.metrics,
-                      lambda: CallbackPath.of(fastapi_app.state.gateway))
-        gc.freeze()
-        return app
+        edge = Edge(settings.server)
+        edge.admin_port = settings.admin.port
+        app = EdgeApp(InferenceFastPath(fastapi_app), edge)
+
+        @contextlib.asynccontextmanager
+        async def lifespan() -> AsyncIterator[GatewayMetrics]:
+            async with fastapi_app.router.lifespan_context(fastapi_app):
+                gc.freeze()
+                metrics: GatewayMetrics = fastapi_app.state.gateway.metrics
+                yield metrics
+
+        listeners = [(settings.host, settings.port)]
+        if settings.admin.port is not None:
+            listeners.append((settings.admin.host or settings.host, settings.admin.port))
+        run_loop(serve(app, lifespan, listeners))
 
 
-def serve(settings: Settings, sockets: list[socket.socket], workers: int) -> None:
-    """Run the gateway on ``sockets``: in this process, or in ``workers`` children."""
-    factory = EdgeAppFactory(settings)
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """``main`` on uvloop when it is installed, else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+def serve(settings: Settings, workers: int) -> None:
+    """Run the gateway: in this process, or in ``workers`` children on the same ports."""
     admin = f", admin API on {settings.admin.host or settings.host}:{settings.admin.port}" \
         if settings.admin.port is not None else ""
     log.info("kvgate serve: listening on http://%s:%d%s, %d worker(s)", settings.host, settings.port, admin, workers)
-    if workers > 1:
-        if not settings.index.redis_url:
-            log.warning("%d workers without --redis-url: each worker routes with its own prefix index", workers)
-        config = uvicorn_config(factory, settings, workers, factory=True)
-        Workers(config, sockets=sockets).run()
+    server = settings.server.model_copy(update={"max_connections": connection_limit(settings)})
+    factory = AppFactory(settings.model_copy(update={"server": server}))
+    if workers == 1:
+        factory.run()
         return
-    gateway_server(uvicorn_config(factory(), settings, 1), settings).run(sockets=sockets)
+    if not settings.index.redis_url:
+        log.warning("%d workers without --redis-url: each worker routes with its own prefix index", workers)
+    Workers(factory, workers).run()
 
 
-class WorkerProcess(Process):
-    """A ``--workers`` child running the gateway's own server (settings from the parent)."""
+class Workers:
+    """``--workers N``: N gateway processes on the same ports (the kernel spreads the
+    connections, ``SO_REUSEPORT``). SIGTERM and SIGINT go on to every child, which shuts
+    down gracefully; a child that dies otherwise is restarted."""
 
-    @property
-    def server(self) -> Server:
-        if self._server is None:
-            factory = self.config.app
-            assert isinstance(factory, EdgeAppFactory)
-            self._server = gateway_server(self.config, factory.settings())
-        return self._server
+    def __init__(self, factory: AppFactory, count: int) -> None:
+        self.factory = factory
+        self.count = count
+        self.context = multiprocessing.get_context("spawn")
+        self.stopping = False
+        self.processes: list[multiprocessing.process.BaseProcess] = []
 
-    def target(self, sockets: list[socket.socket] | None = None) -> None:  # pragma: no cover (child)
-        assert self.server is not None  # built before uvicorn's health-check thread reads it
-        super().target(sockets)
+    def _start(self) -> multiprocessing.process.BaseProcess:
+        process = self.context.Process(target=self.factory.run, name="kvgate-worker")
+        process.start()
+        return process
 
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+        for process in self.processes:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signum)
 
-class Workers(Multiprocess):
-    """uvicorn's supervisor, starting ``WorkerProcess`` children (also when it restarts one)."""
-
-    def init_processes(self) -> None:
-        for _ in range(self.processes_num):
-            process = WorkerProcess(self.config, self.sockets)
-            process.start()
-            self.processes.append(process)
-
-    def keep_subprocess_alive(self) -> None:
-        if self.should_exit.is_set():
-            return
-        for idx, process in enumerate(self.processes):
-            if process.is_alive(timeout=self.config.timeout_worker_healthcheck):
-                continue
-            process.kill()
-            process.join()
-            if process.exitcode == STARTUP_FAILURE or self.should_exit.is_set():
-                log.error("worker [%s] failed to start: stopping", process.pid)
-                self.should_exit.set()
-                return
-            log.info("worker [%s] died: restarting it", process.pid)
-            self.processes[idx] = WorkerProcess(self.config, self.sockets)
-            self.processes[idx].start()
-
-    def restart_all(self) -> None:  # SIGHUP: replace the workers one by one
-        for idx, old in enumerate(self.processes):
-            if self.should_exit.is_set():
-                return
-            new = WorkerProcess(self.config, self.sockets)
-            new.start()
-            if not new.wait_until_ready(self.config.timeout_worker_healthcheck, self.should_exit):
-                new.kill()
-                new.join()
-                return
-            old.terminate()
-            old.join()
-            self.processes[idx] = new
+    def run(self) -> None:
+        previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.processes = [self._start() for _ in range(self.count)]
+            while not self.stopping:
+                for i, process in enumerate(self.processes):
+                    process.join(timeout=0.5 / self.count)
+                    if process.exitcode is not None and not self.stopping:
+                        log.warning("worker %s exited with %s: restarting it", process.pid, process.exitcode)
+                        self.processes[i] = self._start()
+            for process in self.processes:
+                process.join()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -1,98 +1,133 @@
-"""The gateway's HTTP server: uvicorn with the client edge's bounds and a graceful shutdown.
+"""The gateway's HTTP server: Granian (embedded) with the client edge's bounds and a
+graceful shutdown, on public APIs only.
 
-- ``gateway/edge.py``: per connection, the idle/header/body deadlines and the connection
-  cap (``EdgeProtocol``), and the ``Edge`` state shared by the three parts.
-- ``EdgeApp`` (ASGI front): the concurrency cap (503 OpenAI-shaped with ``Retry-After``;
-  probes are never refused), the separate admin listener (``admin.port``: only
-  ``/admin/*`` there, none of it on the main port), readiness false while shutting down,
-  the end of cut requests, and an OpenAI-shaped 500 where uvicorn would answer plain text.
-- ``GatewayServer`` (``uvicorn.Server``): on SIGTERM ``/ready`` turns 503 at once while
-  the listeners stay open (a load balancer still sending gets answers), responses close
-  their connections, requests in flight get ``shutdown_grace_s``; then the listeners
-  close and whatever is still running is cut: an open SSE stream gets
-  ``data: {"error": {... "type": "server_shutdown"}}`` and ``data: [DONE]``. Its main loop
-  ticks once a second (uvicorn's: ten times), the signal handler ends the wait at once.
+Why Granian (docs/design.md, "The HTTP server"): its HTTP/1.1 stack (hyper) closes a
+connection that has not delivered a request's headers within ``server.header_timeout_s``
+of its start or of the previous response: a silent new connection, headers trickled
+byte by byte and an idle keep-alive connection alike. uvicorn's public settings cannot
+bound the first two, so a few hundred silent connections there hold every slot forever.
 
-Everything is counted in ``GatewayMetrics`` (``client_connections``,
-``client_connections_closed{reason}``, ``requests_rejected{reason}``,
-``streams_cut_at_shutdown``). The one ``Edge`` per process is created by the server and
-handed to the app through the ASGI lifespan state (``EDGE_KEY``), which works the same
-in one process and in ``--workers`` children.
+- ``Edge``: the state of one process's client edge (requests in progress, the shutdown
+  phase) that the ASGI front and the runner share.
+- ``EdgeApp`` (ASGI front): the concurrency cap (503 in the API's shape with
+  ``Retry-After``; probes are never refused), the request body deadline (408 and the
+  connection closed), the separate admin listener (``admin.port``: only ``/admin/*``
+  there, none of it on the main port), readiness false while shutting down, the end of
+  cut requests, and a 500 in the API's shape where the server would answer plain text.
+- ``serve``: runs the app's lifespan, one embedded Granian server per listener in this
+  event loop, and the shutdown. On SIGTERM ``/ready`` turns 503 at once while the
+  listeners stay open (a load balancer still sending gets answers), responses close their
+  connections, requests in flight get ``shutdown_grace_s``; then whatever is still
+  running is cut (an open SSE stream gets ``data: {"error": {... "type":
+  "server_shutdown"}}`` and ``data: [DONE]``), the listeners close and the lifespan ends.
+
+At ``server.max_connections`` open connections Granian stops accepting (``backpressure``):
+a new client waits in the listen backlog until a connection ends, at the latest when an
+idle one reaches its header deadline; it is never refused for idle connections.
+Counted in ``GatewayMetrics``: ``requests_rejected{reason}``, ``streams_cut_at_shutdown``.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import time
 from asyncio import current_task
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from uvicorn.server import Server
+from granian.constants import HTTPModes, Interfaces
+from granian.http import HTTP1Settings
+from granian.server.embed import Server
 
-from gateway.edge import CallbackTaker, Edge, EdgeServerState
 from gateway.errors import anthropic_error_body, api_of, endpoint_of, error_body
-from gateway.push_relay import ChunkWriter, edge_writer
 from gateway.relay import SSE_MEDIA, sse_error
+from gateway.settings import ServerConfig
 
 if TYPE_CHECKING:
-    import socket
-    from types import FrameType
-
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
-    from uvicorn.config import Config
 
     from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.server")
-RESUME_EXTENSION = "kvgate.resume"  # scope extension: a request the callbacks path handed to its task
 CUT_SEND_TIMEOUT_S = 2.0  # bound on writing the last event to a client that does not read
-EDGE_KEY = "kvgate_edge"  # key of the Edge in the ASGI lifespan state
-MAIN_LOOP_TICK_S = 1.0  # uvicorn's main loop wakes this often (its own: 0.1 s); a signal wakes it at once
+STOP_TIMEOUT_S = 5.0  # bound on the listeners' own stop once nothing is in flight
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})  # never refused by the concurrency cap
+LISTEN_BACKLOG = 1024  # connections waiting to be accepted (Granian's embedded default: 128)
+
+
+class Edge:
+    """The client edge of one gateway process: requests in progress, the shutdown phase."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics: GatewayMetrics | None = None  # the app's, bound once its lifespan started
+        self.requests: set[asyncio.Task[Any]] = set()  # ASGI request tasks in progress
+        self.active = 0  # of which counted by the concurrency cap
+        self.admin_port: int | None = None  # bound port of the admin-only listener
+        self.draining = False  # SIGTERM: /ready 503, responses close their connection
+        self.closing = False  # grace over: a request still arriving gets 503
+        self.cutting = False  # grace over: requests in progress are being cut
+
+    def in_flight(self) -> int:
+        return len(self.requests)
+
+    def rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_rejected.labels(reason=reason).inc()
 
 
 class EdgeApp:
     """ASGI front: admin-port split, readiness while shutting down, the concurrency cap,
-    and the end of requests cut at shutdown. Passes everything through until a
-    ``GatewayServer`` hands it an ``Edge`` (unit tests over ``httpx.ASGITransport`` have none)."""
+    the body deadline, and the end of requests cut at shutdown."""
 
-    def __init__(self, app: ASGIApp, metrics: Callable[[], GatewayMetrics | None],
-                 callbacks: Callable[[], CallbackTaker | None] = lambda: None) -> None:
-        """``metrics``, ``callbacks``: the app's metrics and callbacks path, read once its
-        lifespan has started (``gateway.callback_path``; None: every request is a task)."""
+    def __init__(self, app: ASGIApp, edge: Edge) -> None:
         self.app = app
-        self.metrics = metrics
-        self.callbacks = callbacks
-        self.edge: Edge | None = None
+        self.edge = edge
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.edge is not None:
-            await self._http(self.edge, scope, receive, send)
-        elif scope["type"] == "lifespan":
-            await self.app(scope, receive, self._lifespan_send(scope, send))
-        else:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
-
-    def _lifespan_send(self, scope: Scope, send: Send) -> Send:
-        state = scope.get("state")
-        edge = state.get(EDGE_KEY) if isinstance(state, dict) else None
-
-        async def lifespan_send(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete" and isinstance(edge, Edge):
-                edge.metrics = self.metrics()
-                edge.callbacks = self.callbacks()
-                self.edge = edge
-            await send(message)
-
-        return lifespan_send
+            return
+        edge = self.edge
+        refusal = self._refusal(edge, scope)
+        if refusal is not None:
+            status, body, retry_after = refusal
+            headers = [(b"content-type", b"application/json")] + ([(b"retry-after", b"1")] if retry_after else [])
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        counted = scope["path"] not in PROBE_PATHS
+        task = current_task()
+        edge.active += counted
+        edge.requests.add(task)  # type: ignore[arg-type]  # always inside a task here
+        relay = _Relay(send, edge, scope["path"])
+        deadline = _BodyDeadline(receive, relay, edge)
+        try:
+            await self.app(scope, deadline.receive, relay.send)
+        except asyncio.CancelledError:
+            if not edge.cutting or task is None:
+                raise
+            task.uncancel()  # the cut was ours: answer instead of dying
+            await relay.cut()
+        except Exception:  # the server would answer a plain-text 500: ours is in the API's shape
+            log.exception("request failed: %s %s", scope["method"], scope["path"])
+            if relay.started:
+                raise
+            await relay.answer(500, edge_error(scope["path"], 500, "internal gateway error", "internal_error",
+                                                "internal_error"))
+        finally:
+            edge.active -= counted
+            edge.requests.discard(task)
 
     def _refusal(self, edge: Edge, scope: Scope) -> tuple[int, bytes, bool] | None:
         """(status, body, retry-after) when the request is answered here, else None."""
         path: str = scope["path"]
         if edge.admin_port is not None:
-            on_admin = (scope.get("server") or ("", None))[1] == edge.admin_port
+            port = (scope.get("server") or ("", None))[1]
+            on_admin = port is not None and int(port) == edge.admin_port  # (Granian: a str, ASGI: an int)
             if on_admin != (path == "/admin" or path.startswith("/admin/")):
                 return 404, edge_error(path, 404, f"no route {scope['method']} {path}", "invalid_request_error",
                                         "not_found"), False
@@ -108,52 +143,50 @@ class EdgeApp:
                                     "service_unavailable", "concurrency_cap"), True
         return None
 
-    async def _http(self, edge: Edge, scope: Scope, receive: Receive, send: Send) -> None:
-        # (a request the callbacks path began was admitted there: it is sent upstream already)
-        refusal = None if RESUME_EXTENSION in scope.get("extensions", {}) else self._refusal(edge, scope)
-        if refusal is not None:
-            status, body, retry_after = refusal
-            headers = [(b"content-type", b"application/json")] + ([(b"retry-after", b"1")] if retry_after else [])
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        counted = scope["path"] not in PROBE_PATHS
-        task = current_task()
-        edge.active += counted
-        edge.requests.add(task)  # type: ignore[arg-type]  # always inside a task here
-        relay = _Relay(send, edge, scope["path"], edge_writer(scope))
+
+class _BodyDeadline:
+    """``receive`` with the body deadline: the whole body within ``body_timeout_s`` of the
+    request's start, else a 408 (``Connection: close``) and, for the app, a disconnect."""
+
+    __slots__ = ("_deadline", "_done", "_edge", "_receive", "_relay")
+
+    def __init__(self, receive: Receive, relay: _Relay, edge: Edge) -> None:
+        self._receive, self._relay, self._edge = receive, relay, edge
+        self._deadline = asyncio.get_running_loop().time() + edge.config.body_timeout_s
+        self._done = False
+
+    async def receive(self) -> Message:
+        if self._done:  # the body is read: only the disconnect can come, whenever it does
+            return await self._receive()
         try:
-            await self.app(scope, receive, relay.send)
-        except asyncio.CancelledError:
-            if not edge.cutting or task is None:
-                raise
-            task.uncancel()  # the cut was ours: answer instead of dying
-            await relay.cut()
-        except Exception:  # uvicorn would answer a plain-text 500: ours is OpenAI-shaped
-            log.exception("request failed: %s %s", scope["method"], scope["path"])
-            if relay.started:
-                raise
-            await relay.send({"type": "http.response.start", "status": 500,
-                              "headers": [(b"content-type", b"application/json")]})
-            await relay.send({"type": "http.response.body", "body": edge_error(
-                scope["path"], 500, "internal gateway error", "internal_error", "internal_error")})
-        finally:
-            edge.active -= counted
-            edge.requests.discard(task)
+            async with asyncio.timeout_at(self._deadline):
+                message = await self._receive()
+        except TimeoutError:
+            self._done = True
+            self._edge.rejected("body_timeout")
+            await self._relay.answer(408, edge_error(self._relay.path, 408, "the request body did not arrive in "
+                                                     "time", "invalid_request_error", "request_timeout"),
+                                     close=True)
+            self._relay.finished = True  # what the app sends after this is dropped
+            return {"type": "http.disconnect"}
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self._done = True
+        return message
 
 
 class _Relay:
     """Wraps ``send`` to see what the response is (SSE or not, started, complete)."""
 
-    __slots__ = ("boundary", "done", "edge", "path", "pushed", "sse", "started", "upstream")
+    __slots__ = ("boundary", "done", "edge", "finished", "path", "sse", "started", "upstream")
 
-    def __init__(self, upstream: Send, edge: Edge, path: str, pushed: ChunkWriter | None = None) -> None:
-        """``pushed``: the request's push relay writer (its bytes bypass ``send``)."""
-        self.upstream, self.edge, self.path, self.pushed = upstream, edge, path, pushed
-        self.started = self.sse = self.done = False
+    def __init__(self, upstream: Send, edge: Edge, path: str) -> None:
+        self.upstream, self.edge, self.path = upstream, edge, path
+        self.started = self.sse = self.done = self.finished = False
         self.boundary = True  # the bytes sent so far end between two SSE events
 
     async def send(self, message: Message) -> None:
+        if self.finished:
+            return
         kind = message["type"]
         if kind == "http.response.body":
             body = message.get("body")
@@ -171,21 +204,26 @@ class _Relay:
                 message = {**message, "headers": [*headers, (b"connection", b"close")]}
         await self.upstream(message)
 
+    async def answer(self, status: int, body: bytes, *, retry_after: bool = False, close: bool = False) -> None:
+        """A whole JSON answer of the edge's own (only before the response started)."""
+        headers = [(b"content-type", b"application/json")]
+        if retry_after:
+            headers.append((b"retry-after", b"1"))
+        if close:
+            headers.append((b"connection", b"close"))
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
+
     async def cut(self) -> None:
         """The request was cut at the end of the shutdown grace: say so to the client."""
         message = "the gateway shut down before the response was complete; retry"
         try:
             async with asyncio.timeout(CUT_SEND_TIMEOUT_S):
                 if not self.started:
-                    await self.send({"type": "http.response.start", "status": 503,
-                                     "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
-                    await self.send({"type": "http.response.body",
-                                     "body": edge_error(self.path, 503, message, "server_shutdown",
-                                                         "server_shutdown")})
+                    await self.answer(503, edge_error(self.path, 503, message, "server_shutdown", "server_shutdown"),
+                                      retry_after=True)
                 elif self.sse and not self.done:
-                    # (one of the two paths wrote the body: both must say it ended between events)
-                    boundary = self.boundary and (self.pushed is None or self.pushed.boundary)
-                    body = (b"" if boundary else b"\n\n") + shutdown_event(message, endpoint_of(self.path))
+                    body = (b"" if self.boundary else b"\n\n") + shutdown_event(message, endpoint_of(self.path))
                     await self.send({"type": "http.response.body", "body": body, "more_body": False})
                     if self.edge.metrics is not None:
                         self.edge.metrics.streams_cut_at_shutdown.inc()
@@ -193,89 +231,83 @@ class _Relay:
             log.info("could not end a cut request: %s: %s", type(exc).__name__, exc)
 
 
-class GatewayServer(Server):
-    """uvicorn's server with the edge state, extra listeners and the graceful shutdown."""
+def listener(app: ASGIApp, host: str, port: int, config: ServerConfig) -> Server:
+    """One embedded Granian server on ``host:port`` (HTTP/1.1 only: its header deadline
+    holds for HTTP/1.1, and replicas and agents speak it). The app's lifespan is run by
+    ``serve``, once for all listeners."""
+    return Server(app, address=host, port=port, interface=Interfaces.ASGINL, http=HTTPModes.http1,
+                  websockets=False, backlog=LISTEN_BACKLOG, backpressure=config.max_connections,
+                  http1_settings=HTTP1Settings(header_read_timeout=int(config.header_timeout_s * 1000),
+                                               keep_alive=True),
+                  log_enabled=False)
 
-    def __init__(self, config: Config, edge: Edge, tick_s: float = MAIN_LOOP_TICK_S) -> None:
-        super().__init__(config)
-        self.edge = edge
-        self.server_state = EdgeServerState(edge)
-        self.tick_s = tick_s
-        self._tick: asyncio.Future[None] | None = None  # the main loop's current wait
 
-    async def main_loop(self) -> None:
-        """uvicorn's main loop (the date header, ``should_exit``), woken every ``tick_s``
-        instead of ten times a second: an idle wake-up costs ~0.15 ms of CPU here. A
-        signal (``handle_exit``) ends the wait at once, so shutdown starts as soon."""
-        loop = asyncio.get_running_loop()
-        per_tick = max(1, round(self.tick_s * 10))  # uvicorn's on_tick counts 0.1 s ticks
-        counter = 0
-        should_exit = await self.on_tick(counter)
-        while not should_exit:
-            counter = (counter + per_tick) % 864000
-            self._tick = tick = loop.create_future()
-            timer = loop.call_later(self.tick_s, _resolve, tick)
-            await tick
-            timer.cancel()
-            should_exit = await self.on_tick(counter)
+async def serve(app: EdgeApp, lifespan: Callable[[], contextlib.AbstractAsyncContextManager[GatewayMetrics]],
+                listeners: list[tuple[str, int]]) -> None:
+    """Run ``app`` on ``listeners`` (host, port) until SIGTERM or SIGINT, then shut down
+    gracefully (the module docstring); ``lifespan`` starts the app and yields its metrics."""
+    edge = app.edge
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        tick = self._tick
-        # (a signal handler runs between bytecodes: wake the loop safely; a wait that is
-        # over already means the main loop has ended, and its event loop may be closed)
-        if tick is not None and not tick.done():
-            tick.get_loop().call_soon_threadsafe(_resolve, tick)
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()  # a second signal ends the grace at once
 
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self.lifespan.state[EDGE_KEY] = self.edge  # the app finds the edge in its lifespan state
-        await super().startup(sockets)
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        edge = self.edge
-        grace_s = edge.config.shutdown_grace_s
-        edge.draining = True
-        log.info("shutting down: not ready; %d request(s) in flight get up to %.0f s", edge.in_flight(), grace_s)
-        # idle keep-alive connections stay open (closing them races with a client reusing
-        # one); responses from now on close theirs (EdgeApp adds "Connection: close")
-        deadline = time.monotonic() + grace_s
-        while edge.in_flight() and time.monotonic() < deadline and not self.force_exit:
-            await asyncio.sleep(0.05)
-        edge.closing = True
-        for server in self.servers:
-            server.close()
-        for sock in sockets or []:
-            sock.close()
-        for connection in list(self.server_state.connections):
-            connection.shutdown()
-        await self._cut(edge)
-        if not self.force_exit:
-            await self.lifespan.shutdown()
-
-    async def _cut(self, edge: Edge) -> None:
-        """End what is still running: streams get their last event (``EdgeApp``), a
-        request on the callbacks path its 503 (``gateway.callback_path.Flight.cut``)."""
-        if edge.in_flight():
-            flights = list(edge.callbacks.flights if edge.callbacks is not None else ())
-            log.warning("shutdown grace over: cutting %d request(s) (%d on the callbacks path)", edge.in_flight(),
-                        len(flights))
-            edge.cutting = True
-            for task in list(edge.requests):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        async with lifespan() as metrics:
+            edge.metrics = metrics
+            servers = [listener(app, host, port, edge.config) for host, port in listeners]
+            running = [asyncio.create_task(s.serve(), name=f"listener {host}:{port}")
+                       for s, (host, port) in zip(servers, listeners, strict=True)]
+            async with _first_of(stop.wait(), *running):
+                pass
+            await _drain(edge, force)
+            for server in servers:
+                server.stop()  # type: ignore[no-untyped-call]  # (granian's signature is untyped)
+            _, pending = await asyncio.wait(running, timeout=STOP_TIMEOUT_S)
+            for task in pending:
                 task.cancel()
-            for flight in flights:
-                flight.cut()
-        deadline = time.monotonic() + CUT_SEND_TIMEOUT_S + 1.0
-        while (edge.requests or self.server_state.tasks) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        for task in self.server_state.tasks:
+            for task in running:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise RuntimeError(f"{task.get_name()} failed") from task.exception()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+@contextlib.asynccontextmanager
+async def _first_of(*waits: Any) -> AsyncIterator[None]:
+    """Waits until the first of ``waits`` (awaitables or tasks) is done; cancels only the
+    awaitables it wrapped, never the tasks it was given."""
+    tasks = [w if isinstance(w, asyncio.Task) else asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        yield
+    finally:
+        for task, wait in zip(tasks, waits, strict=True):
+            if task is not wait:
+                task.cancel()
+
+
+async def _drain(edge: Edge, force: asyncio.Event) -> None:
+    """Not ready at once; the requests in flight get the grace; then the rest is cut."""
+    grace_s = edge.config.shutdown_grace_s
+    edge.draining = True
+    log.info("shutting down: not ready; %d request(s) in flight get up to %.0f s", edge.in_flight(), grace_s)
+    deadline = time.monotonic() + grace_s
+    while edge.in_flight() and time.monotonic() < deadline and not force.is_set():
+        await asyncio.sleep(0.05)
+    edge.closing = True
+    if edge.in_flight():
+        log.warning("shutdown grace over: cutting %d request(s)", edge.in_flight())
+        edge.cutting = True
+        for task in list(edge.requests):
             task.cancel()
-        while self.server_state.connections and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    deadline = time.monotonic() + CUT_SEND_TIMEOUT_S + 1.0
+    while edge.requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def edge_error(path: str, status: int, message: str, type_: str, code: str) -> bytes:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml  # type: ignore[import-untyped]
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.sources import InitSettingsSource
 
@@ -40,30 +40,45 @@ from replicas.config import RegistryConfig
 POLICIES_NEEDING_ROUTING_TEXT = frozenset({"sglang-cache-aware"})
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 # old top-level name -> (section, field): still accepted from files, flags and --set
-MOVED_FIELDS = {"admin_token": ("admin", "token"), "keep_alive_timeout_s": ("server", "keep_alive_timeout_s")}
+MOVED_FIELDS = {"admin_token": ("admin", "token")}
+# fields that no longer exist: a config still setting one is refused with what replaced it
+REMOVED_SERVER_FIELDS = {
+    "keep_alive_timeout_s": "server.header_timeout_s bounds idle keep-alive connections now",
+    "idle_timeout_s": "server.header_timeout_s bounds silent new connections now",
+    "callback_path": "there is one request path",
+}
+
+
+def refuse_removed(data: Any, removed: Mapping[str, str], section: str) -> Any:
+    """A ``mode="before"`` check: a removed field is an error that says what replaced it."""
+    if isinstance(data, Mapping):
+        for name in removed.keys() & data.keys():
+            raise ValueError(f"{section}.{name} was removed: {removed[name]}")
+    return data
 
 
 class ServerConfig(BaseModel):
     """The client side of the gateway process: deadlines and caps (``gateway/server.py``)."""
 
-    keep_alive_timeout_s: float = Field(
-        default=75.0, gt=0,
-        description="close a client's idle keep-alive connection after this; longer than clients' "
-        "own idle expiry (httpx/openai 5 s, load balancers 60 s) so the client always closes first "
-        "and never sends a request on a connection the gateway is closing",
-    )
-    idle_timeout_s: float = Field(
-        default=10.0, gt=0, description="close a new connection that has sent no byte of a request after this")
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        return refuse_removed(data, REMOVED_SERVER_FIELDS, "server")
+
     header_timeout_s: float = Field(
-        default=10.0, gt=0, description="request line and headers must arrive within this of their first byte "
-        "(else 408 and the connection is closed)")
+        default=30.0, gt=0,
+        description="a client connection must deliver a request's headers within this of its start or of its "
+        "previous response, else it is closed: a silent new connection, headers trickled byte by byte and an idle "
+        "keep-alive connection alike. Keep it above the idle timeout of an L7 proxy in front (or lower that one), "
+        "so the proxy closes first and never sends on a connection the gateway is closing")
     body_timeout_s: float = Field(
-        default=60.0, gt=0, description="the whole request body must arrive within this of the end of the "
-        "headers (else 408, the connection is closed and the request sees a disconnect)")
+        default=60.0, gt=0, description="the whole request body must arrive within this of the start of the "
+        "request (else 408, the connection is closed and the request sees a disconnect)")
     max_connections: int = Field(
-        default=4096, ge=1, description="open client connections; at the cap a new connection evicts the "
-        "longest-idle keep-alive one, or gets 503 when none is idle. Clamped below the process's open-file "
-        "limit (RLIMIT_NOFILE) minus the upstream pool and a margin")
+        default=4096, ge=1, description="open client connections; at the cap new connections wait in the listen "
+        "backlog until one ends (an idle one at the latest after header_timeout_s), never refused for idle ones")
     max_concurrent_requests: int = Field(
         default=2048, ge=1, description="requests in progress; beyond it 503 (OpenAI-shaped, Retry-After). "
         "GET /health, /ready and /metrics are never refused")
@@ -74,9 +89,6 @@ class ServerConfig(BaseModel):
     access_log: bool = Field(
         default=False, description="one INFO line per finished request on the 'kvgate.access' logger: "
         "endpoint, status, replica, route reason, predicted and reported cached tokens, TTFT (gateway/access_log.py)")
-    callback_path: bool = Field(
-        default=True, description="serve a small non-streamed inference request from the connection's callbacks "
-        "when nothing in it has to wait (gateway/callback_path.py); off: every request runs in a task of its own")
 
 
 class AdminConfig(BaseModel):
@@ -121,8 +133,7 @@ class Settings(BaseSettings):
     @classmethod
     def _moved_fields(cls, data: Any) -> Any:
         """Accept the names of fields that moved into a section (``admin_token`` ->
-        ``admin.token``, ``keep_alive_timeout_s`` -> ``server.keep_alive_timeout_s``);
-        the section's own value wins when both are given."""
+        ``admin.token``); the section's own value wins when both are given."""
         if not isinstance(data, dict) or not MOVED_FIELDS.keys() & data.keys():
             return data
         data = dict(data)

@@ -1,23 +1,26 @@
 """The ``upstream`` section of the settings: how the gateway talks to replicas.
 
-Timeouts, retries, the retry budget, the connection pool, header forwarding and the
-replica API key. Durations carry their unit in the name. gateway/proxy.py's docstring
+Timeouts, retries, the retry budget, the connection pool, TLS to ``https://`` replicas,
+header forwarding and the replica API key. Durations carry their unit in the name. gateway/proxy.py's docstring
 draws which timeout bounds which phase of a request and what happens when it fires.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, FilePath, SecretStr, model_validator
 
 
 class UpstreamConfig(BaseModel):
-    client: Literal["h1", "aiohttp"] = Field(
-        default="h1",
-        description="the request path's HTTP client: 'h1' (kvgate's own, asyncio Protocols + httptools; "
-        "streamed answers are pushed to the client as they are parsed, gateway/push_relay.py) or 'aiohttp' "
-        "(every chunk pulled through ASGI)",
-    )
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "client" in data:
+            raise ValueError("upstream.client was removed: aiohttp is the one upstream client")
+        return data
+
     connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect to a replica")
     head_timeout_s: float = Field(
         default=10.0, gt=0,
@@ -82,3 +85,22 @@ class UpstreamConfig(BaseModel):
         default=None,
         description="sent to replicas as 'Authorization: Bearer <key>' (SGLang --api-key); replaces the client's",
     )
+    tls_ca_file: FilePath | None = Field(
+        default=None,
+        description="PEM bundle of the CA certificates that sign https:// replicas' certificates; only these "
+        "are trusted then (None: the system trust store). A replica's certificate must name the host or IP of "
+        "its URL",
+    )
+    tls_verify: bool = Field(
+        default=True,
+        description="verify https:// replicas' certificates. DANGER: false accepts any certificate, so the "
+        "link is encrypted but not authenticated: whoever can intercept it can read prompts and answers and "
+        "the replica API key, and answer in the replica's name. For a throwaway test cluster only; give "
+        "tls_ca_file instead",
+    )
+
+    @model_validator(mode="after")
+    def _one_tls_choice(self) -> UpstreamConfig:
+        if self.tls_ca_file is not None and not self.tls_verify:
+            raise ValueError("upstream.tls_ca_file is set but upstream.tls_verify is false: choose one")
+        return self

@@ -146,7 +146,9 @@ class SharedState:
         *,
         gateway_id: str | None = None,
         wall_clock: Callable[[], float] = time.time,
+        owns_client: bool = False,
     ) -> None:
+        """``owns_client``: ``aclose`` closes ``redis`` too (the client ``from_url`` made)."""
         self.redis = redis
         self.config = config
         self.gateway_id = gateway_id or secrets.token_hex(6)
@@ -154,7 +156,7 @@ class SharedState:
         self._p = config.key_prefix
         self._sync = redis.register_script(_SYNC)
         self._reserve = redis.register_script(_RESERVE)
-        self._owns_client = False
+        self._owns_client = owns_client
 
     @classmethod
     def from_url(cls, config: SharedStateConfig, *, gateway_id: str | None = None) -> SharedState:
@@ -169,9 +171,7 @@ class SharedState:
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         client = aioredis.Redis.from_pool(pool)
-        state = cls(client, config, gateway_id=gateway_id)
-        state._owns_client = True
-        return state
+        return cls(client, config, gateway_id=gateway_id, owns_client=True)
 
     async def aclose(self) -> None:
         if self._owns_client:

@@ -8,9 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # files below the unit folders that start a server or a process of their own
 SLOW=(
-  tests/gateway/test_client_watch.py tests/gateway/test_edge_held.py tests/gateway/test_h1_upstream.py
-  tests/gateway/test_huge_pages.py tests/gateway/test_index_write_behind.py tests/gateway/test_push_relay.py
-  tests/gateway/test_server_tick.py tests/kv_events/test_event_lease.py tests/kv_events/test_sim_precise.py
+  tests/gateway/test_index_write_behind.py tests/gateway/test_server_tick.py tests/kv_events/test_event_lease.py tests/kv_events/test_sim_precise.py
   tests/prefix_index/test_redis_specific.py tests/replicas/test_admission_trust.py
   tests/replicas/test_shared_state.py
 )
@@ -18,5 +16,5 @@ ignores=()
 for f in "${SLOW[@]}"; do ignores+=(--ignore "$f"); done
 exec $PY -m pytest -q -p no:cacheprovider "${ignores[@]}" \
   -m "not slow and not redis and not peers and not sglang_real and not safety" \
-  tests/test_imports.py tests/policies tests/prefix_index tests/gateway tests/replicas tests/kv_events \
+  tests/test_imports.py tests/test_public_apis.py tests/policies tests/prefix_index tests/gateway tests/replicas tests/kv_events \
   tests/api/test_units.py "$@"

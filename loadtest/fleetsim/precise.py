@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gateway.eager import finished
 from gateway.sglang_pages import to_int64
+from loadtest.fleetsim.sync import finished
 from loadtest.simulator.kv_publisher import KvEventRecorder
 from prefix_index.base import PrefixMatch, ReplicaId
 from prefix_index.precise import EventBlockIndex, to_prefix_match

@@ -29,7 +29,7 @@ as the gateway does; hooks and accounting keep the original context, so the appr
 index and the sessions are maintained as before.
 
 The index and hooks are async (``prefix_index.base``); the embedded backend never
-awaits, so `gateway.eager.finished` drives each coroutine to completion without an event loop (and
+awaits, so `loadtest.fleetsim.sync.finished` drives each coroutine to completion without an event loop (and
 fails loudly should a backend ever really wait).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from gateway.eager import finished
+from loadtest.fleetsim.sync import finished
 from loadtest.simulator.stats import EngineStats
 from policies.base import (
     Decision,

@@ -8,8 +8,7 @@ header when there is one (the same session, the same replica, so `kvgate bench p
 can run it in front of a fleet), else the next in turn. No parsing, no routing beyond
 that, no index, no safety (no deadlines, no body cap, no retries): the cost that remains
 when a Python gateway does nothing but pass bytes on this stack. The difference between
-kvgate and this row is what kvgate's own work costs; the difference between this row and
-``python-floor-protocol`` is what the server and client stack cost.
+kvgate and this row is what kvgate's own work costs.
 
 Not a product: it exists only to be measured.
 
@@ -17,8 +16,6 @@ Not a product: it exists only to be measured.
 (ASGI interface, uvloop, HTTP/1 only), in place of uvicorn: what a compiled server under
 the same Python app and client saves. Granian is not a kvgate dependency: ``pip install
 granian`` first (the target fails to start without it).
-
-``python-floor-protocol`` (``loadtest/peers/protocol_floor.py``) does the same below ASGI.
 
     python -m loadtest.peers.python_floor --port 31900 --replica http://127.0.0.1:31001 [--replica ...]
     KVGATE_FLOOR_REPLICA=http://127.0.0.1:31001[,...] granian --interface asgi --port 31900 \

@@ -21,15 +21,7 @@ from loadtest.simulator.ports import free_port
 
 PYTHON_FLOOR = "python-floor"  # loadtest/peers/python_floor.py: a pass-through proxy (uvicorn + aiohttp)
 PYTHON_FLOOR_GRANIAN = "python-floor-granian"  # the same app on Granian (pip install granian)
-PYTHON_FLOOR_PROTOCOL = "python-floor-protocol"  # loadtest/peers/protocol_floor.py: the same on asyncio Protocols
-PYTHON_FLOOR_PROTOCOL_AIOHTTP = "python-floor-protocol-aiohttp"  # that server, aiohttp as the client
-PYTHON_FLOOR_PROTOCOL_PULL = "python-floor-protocol-pull"  # that client's chunks pulled by a task
-PYTHON_FLOOR_KVGATE = "python-floor-kvgate"  # loadtest/peers/stack_floor.py: kvgate's server and client, no routing
-PYTHON_FLOOR_PROTOCOL_ROUTED = "python-floor-protocol-routed"  # loadtest/peers/routed_floor.py: kvgate's routing on Protocols
-PROTOCOL_CLIENTS = {PYTHON_FLOOR_PROTOCOL: "protocol", PYTHON_FLOOR_PROTOCOL_AIOHTTP: "aiohttp",
-                    PYTHON_FLOOR_PROTOCOL_PULL: "pull"}
-FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN, PYTHON_FLOOR_PROTOCOL, PYTHON_FLOOR_PROTOCOL_AIOHTTP,
-          PYTHON_FLOOR_PROTOCOL_PULL, PYTHON_FLOOR_KVGATE, PYTHON_FLOOR_PROTOCOL_ROUTED)
+FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN)
 
 
 def parse_targets(text: str) -> list[str]:
@@ -82,13 +74,6 @@ def _python_floor(target: str, workers: Sequence[str], log_dir: Path) -> Iterato
     replicas = [arg for w in workers for arg in ("--replica", w)]
     if target == PYTHON_FLOOR:
         cmd = ["-m", "loadtest.peers.python_floor", "--port", str(port), *replicas]
-    elif target == PYTHON_FLOOR_KVGATE:
-        cmd = ["-m", "loadtest.peers.stack_floor", "--port", str(port), *replicas]
-    elif target == PYTHON_FLOOR_PROTOCOL_ROUTED:
-        cmd = ["-m", "loadtest.peers.routed_floor", "--port", str(port), *replicas]
-    elif target in PROTOCOL_CLIENTS:
-        cmd = ["-m", "loadtest.peers.protocol_floor", "--port", str(port), "--client", PROTOCOL_CLIENTS[target],
-               *replicas]
     else:
         cmd = ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--loop",
                "uvloop", "--http", "1", "--no-ws", "--log-level", "warning", "--factory",
@@ -117,16 +102,6 @@ def target_version(target: str) -> str:
         return "pass-through (uvicorn+aiohttp)"
     if target == PYTHON_FLOOR_GRANIAN:
         return "pass-through (granian+aiohttp)"
-    if target == PYTHON_FLOOR_PROTOCOL:
-        return "pass-through (asyncio Protocols+httptools)"
-    if target == PYTHON_FLOOR_PROTOCOL_AIOHTTP:
-        return "pass-through (asyncio Protocol server+aiohttp)"
-    if target == PYTHON_FLOOR_PROTOCOL_PULL:
-        return "pass-through (asyncio Protocols, chunks pulled by a task)"
-    if target == PYTHON_FLOOR_KVGATE:
-        return "pass-through (kvgate's server and h1 client)"
-    if target == PYTHON_FLOOR_PROTOCOL_ROUTED:
-        return "kvgate's routing on asyncio Protocols (callbacks only)"
     if (checkout := kvgate_checkout(target)) is not None:
         return f"kvgate cache-aware from {checkout}"
     policy = kvgate_policy(target)

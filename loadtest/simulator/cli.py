@@ -2,6 +2,7 @@
 
     kvgate sim --port 31001 --profile kimi-k2.6-b200-tp8 [--time-scale 100] [--seed 1]
     kvgate sim --replicas 4 --base-port 31001          # one process per replica
+    kvgate sim --ssl-certfile cert.pem --ssl-keyfile key.pem   # https (uvicorn's TLS)
 
 One replica: uvicorn (programmatic; log level warning, no access log) serving
 :func:`loadtest.simulator.server.build_app`. SIGTERM drains like SGLang (health and
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-port", type=int, default=None,
                         help="fleet: replica i listens on base-port + i (default --port)")
     parser.add_argument("--log-level", default="warning", help="log level (default warning)")
+    parser.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                        help="serve https with this certificate (chain) file (with --ssl-keyfile)")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the private key of --ssl-certfile")
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help='publish KV events as SGLang does, e.g. \'{"publisher":"zmq",'
                              '"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}\'')
@@ -81,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     except (FaultConfigError, ProfileError, KvEventsConfigError) as e:
         print(f"kvgate sim: {e}", file=sys.stderr)
         return 2
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        print("kvgate sim: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+        return 2
     if args.replicas > 1:
         if kv_events is not None and not _free_ports_only(kv_events):
             print("kvgate sim: with --replicas, --kv-events-config ports must be 0 (a free port each)",
@@ -94,11 +101,12 @@ def run(args: argparse.Namespace) -> int:
 
     config = SimServerConfig(profile=profile, time_scale=time_scale, seed=args.seed, host=args.host,
                           port=args.port, faults=faults, handle_sigterm=True, kv_events=kv_events)
-    asyncio.run(_serve(config, args.log_level))
+    asyncio.run(_serve(config, args.log_level, args.ssl_certfile, args.ssl_keyfile))
     return 0
 
 
-async def _serve(config: Any, log_level: str) -> None:
+async def _serve(config: Any, log_level: str, ssl_certfile: str | None = None,
+                 ssl_keyfile: str | None = None) -> None:
     import uvicorn
 
     from loadtest.simulator.server import build_app
@@ -112,9 +120,10 @@ async def _serve(config: Any, log_level: str) -> None:
     _attach_kv_events(app, config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level=log_level.lower(), access_log=False,
-                                           lifespan="on", timeout_graceful_shutdown=5))
+                                           lifespan="on", timeout_graceful_shutdown=5,
+                                           ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
     holder["server"] = server
-    announce = asyncio.create_task(_announce(server, config))
+    announce = asyncio.create_task(_announce(server, config, "https" if ssl_certfile else "http"))
     try:
         await server.serve()
     finally:
@@ -143,10 +152,10 @@ def _attach_kv_events(app: Any, config: Any) -> None:
     app.state.kv_publisher = publisher
 
 
-async def _announce(server: Any, config: Any) -> None:
+async def _announce(server: Any, config: Any, scheme: str) -> None:
     while not server.started:
         await asyncio.sleep(0.01)
-    print(f"kvgate sim: replica listening on http://{config.host}:{config.port} "
+    print(f"kvgate sim: replica listening on {scheme}://{config.host}:{config.port} "
           f"profile={config.profile.name} time_scale={config.time_scale:g}", flush=True)
 
 
@@ -156,6 +165,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
     extra = ["--log-level", args.log_level]
     if args.kv_events_config:
         extra += ["--kv-events-config", args.kv_events_config]
+    tls = (args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
     for flag, value, default in (("--error-rate", args.error_rate, 0.0),
                                  ("--error-status", args.error_status, 503),
                                  ("--latency-s", args.latency_s, 0.0),
@@ -173,7 +183,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     fleet = SimFleet(args.replicas, profile=args.profile, time_scale=args.time_scale,
                      base_port=args.base_port or args.port, seed=args.seed, extra_args=extra,
-                     host=args.host)
+                     host=args.host, tls=tls)
     with fleet:
         for i, url in enumerate(fleet.urls):
             print(f"kvgate sim: replica {i} listening on {url} profile={args.profile} "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -30,11 +31,12 @@ HOST = "127.0.0.1"
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
-              poll_s: float = 0.05) -> None:
-    """Poll ``url`` until it answers 200; fail early if ``proc`` exits."""
+              poll_s: float = 0.05, verify: ssl.SSLContext | bool = True) -> None:
+    """Poll ``url`` until it answers 200; fail early if ``proc`` exits. ``verify``: how an
+    https replica's certificate is checked, as httpx takes it."""
     deadline = time.monotonic() + timeout_s
     last: object = None
-    with httpx.Client(timeout=2.0, trust_env=False) as client:
+    with httpx.Client(timeout=2.0, trust_env=False, verify=verify) as client:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
@@ -61,24 +63,33 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int 
     return proc.returncode
 
 
-def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+                 verify: ssl.SSLContext | bool = True) -> None:
     """Poll a replica's ``/health`` until 200."""
-    wait_http(url + "/health", timeout_s, proc)
+    wait_http(url + "/health", timeout_s, proc, verify=verify)
 
 
 class SimFleet:
-    """N ``kvgate sim`` replica processes; ``urls[i]`` is replica ``i``'s base URL."""
+    """N ``kvgate sim`` replica processes; ``urls[i]`` is replica ``i``'s base URL.
+
+    ``tls``: (certificate file, key file): every replica serves https with them
+    (``--ssl-certfile/--ssl-keyfile``), and readiness is checked with the certificate
+    file as the CA (a self-signed certificate, or set ``ca_file``)."""
 
     def __init__(self, n: int, profile: str = "tiny", time_scale: float | None = None,
                  base_port: int | None = None, seed: int = 0, extra_args: Sequence[str] = (),
                  host: str = HOST, log_dir: Path | None = None, ready_timeout_s: float = 30.0,
-                 stop_timeout_s: float = 10.0) -> None:
+                 stop_timeout_s: float = 10.0, tls: tuple[str | Path, str | Path] | None = None,
+                 ca_file: str | Path | None = None) -> None:
         self.n, self.profile, self.time_scale, self.seed = n, profile, time_scale, seed
         self.extra_args = list(extra_args)
         self.host = host
         self.base_port = base_port
+        self.tls = tls
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca_file or tls[0])) if tls else True
+        self.scheme = "https" if tls else "http"
         self.ports = [base_port + i if base_port else free_port(host) for i in range(n)]
-        self.urls = [f"http://{host}:{port}" for port in self.ports]
+        self.urls = [f"{self.scheme}://{host}:{port}" for port in self.ports]
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvgate-sim-fleet-"))
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -89,6 +100,8 @@ class SimFleet:
                "--port", str(self.ports[i]), "--profile", self.profile, "--seed", str(self.seed + i)]
         if self.time_scale is not None:
             cmd += ["--time-scale", repr(self.time_scale)]
+        if self.tls is not None:
+            cmd += ["--ssl-certfile", str(self.tls[0]), "--ssl-keyfile", str(self.tls[1])]
         return cmd + self.extra_args
 
     def log_path(self, i: int) -> Path:
@@ -114,13 +127,13 @@ class SimFleet:
         choosing and binding (another process got it first), relaunch on a new port."""
         for attempt in range(attempts):
             try:
-                wait_healthy(self.urls[i], self.ready_timeout_s, self.procs[i])
+                wait_healthy(self.urls[i], self.ready_timeout_s, self.procs[i], verify=self.verify)
                 return
             except RuntimeError:
                 if self.base_port or attempt == attempts - 1 or "address already in use" not in self.output(i):
                     raise
             self.ports[i] = free_port(self.host)
-            self.urls[i] = f"http://{self.host}:{self.ports[i]}"
+            self.urls[i] = f"{self.scheme}://{self.host}:{self.ports[i]}"
             self.procs[i] = self._launch(i)
 
     def signal(self, i: int, sig: int = signal.SIGTERM) -> None:

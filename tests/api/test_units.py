@@ -230,11 +230,10 @@ def test_client_credentials_are_not_forwarded() -> None:
 async def test_count_tokens_and_control_bodies_are_bounded() -> None:
     """The non-inference agent routes read their bodies within a bound too (413, in the
     API's shape), nothing reaches a replica."""
-    from tests.gateway.test_app_unit import FakeFleet, gateway, ok_completion, settings_for
+    from tests.gateway.test_app_unit import fake_fleet, gateway, ok_completion, settings_for
 
-    replica = "http://127.0.0.1:40021"
-    fleet = FakeFleet({replica: ok_completion})
-    s = settings_for([replica], hashing={"max_body_bytes": 4096})
+    fleet = fake_fleet({"R": ok_completion})
+    s = settings_for(fleet.urls("R"), hashing={"max_body_bytes": 4096})
     big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 8000 + b'"}]}'
     async with gateway(fleet, s) as client:
         counted = await client.post("/v1/messages/count_tokens", content=big,

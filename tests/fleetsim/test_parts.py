@@ -1,7 +1,8 @@
-"""Unit tests of the fleetsim parts: prompts, oracle, closed-loop pacing (``gateway.eager.finished``,
-which drives the index and hooks, is tested in tests/gateway/test_eager.py)."""
+"""Unit tests of the fleetsim parts: prompts, oracle, closed-loop pacing, and
+``loadtest.fleetsim.sync.finished``, which drives the index and hooks without a loop."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from loadtest.fleetsim.oracle import Oracle
 from loadtest.fleetsim.prompts import SessionPrompt
 from loadtest.fleetsim.run import SimConfig, run_policy
 from loadtest.fleetsim.sessions import Pacing
+from loadtest.fleetsim.sync import WouldWait, finished
 from loadtest.simulator.profile import load_profile
 from tests.fleetsim.support import write_claude_traces
 
@@ -77,3 +79,29 @@ def test_closed_loop_waits_think_time_after_each_response(tmp_path: Path) -> Non
     assert parent_end is not None
     delay = session.turns[1].subagents[0].start_delay_s
     assert subs[0].arrival_s == pytest.approx(parent_end + 0.5 * delay)
+
+
+async def _doubled(x: int) -> int:
+    return x * 2
+
+
+def test_finished_returns_the_value_of_a_coroutine_that_does_not_wait() -> None:
+    assert finished(_doubled(21)) == 42
+
+
+def test_finished_refuses_a_coroutine_that_waits_and_closes_it() -> None:
+    async def main() -> None:
+        closed: list[bool] = []
+
+        async def waits() -> int:
+            try:
+                await asyncio.sleep(1)
+            finally:
+                closed.append(True)
+            return 1
+
+        with pytest.raises(WouldWait):
+            finished(waits())
+        assert closed == [True]
+
+    asyncio.run(main())

@@ -1,68 +1,41 @@
-"""Unit tests of the gateway app over httpx's ASGI transport, with fake replicas injected
-through ``httpx.MockTransport`` (non-streaming paths; streaming, TTFT and disconnects are
-tested against real processes in tests/integration)."""
+"""Unit tests of the gateway app over httpx's ASGI transport, its upstream calls going
+through the production clients (``AiohttpUpstream``, the probes' ``AiohttpGetter``, the
+control plane's httpx client) over loopback HTTP to fake replicas
+(``tests.support.fake_replicas``), in the test's own event loop."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from aiohttp import web
+from fastapi import FastAPI
 
-from gateway.app import create_app
+from gateway.app import Gateway, create_app
 from gateway.settings import Settings, load_settings
+from tests.replicas.fakes import server_info_body
+from tests.support.fake_replicas import FakeFleet, Handler, breaking, hang, json_reply, refuse
 
-Behaviour = Callable[[httpx.Request], httpx.Response]
 USAGE = {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103,
          "prompt_tokens_details": {"cached_tokens": 64}}
 
+ok_completion = json_reply(200, {
+    "id": "x", "object": "chat.completion", "model": "m", "usage": USAGE,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+}, {"x-upstream": "yes", "server": "fake"})
 
-def reply(status: int, data: object, headers: dict[str, str] | None = None) -> httpx.Response:
-    """A response with an unread byte stream, as a real transport returns it."""
-    return httpx.Response(status, stream=httpx.ByteStream(orjson.dumps(data)),
-                          headers={"content-type": "application/json", **(headers or {})})
+SERVER_INFO = server_info_body(max_total_num_tokens=64000, max_running_requests=8, hicache=False)
 
-
-def ok_completion(request: httpx.Request) -> httpx.Response:
-    body = {"id": "x", "object": "chat.completion", "model": "m", "usage": USAGE,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
-    return reply(200, body, {"x-upstream": "yes", "server": "fake"})
+A, B = "A", "B"  # replica names: ``fleet.url(A)`` is the replica's address
 
 
-@dataclass
-class FakeFleet:
-    """Replicas by URL; each answers probes and runs a behaviour for inference calls."""
-
-    behaviours: dict[str, Behaviour]
-    models: dict[str, str] = field(default_factory=dict)
-    seen: list[tuple[str, httpx.Request, bytes]] = field(default_factory=list)
-
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        if base not in self.behaviours:
-            raise httpx.ConnectError("connection refused", request=request)
-        path = request.url.path
-        if path in ("/ready", "/health"):
-            return httpx.Response(200)
-        if path == "/server_info":
-            return httpx.Response(200, json={"max_total_num_tokens": 64000, "page_size": 64,
-                                             "max_running_requests": 8, "served_model_name": "m"})
-        if path == "/v1/models":
-            model = self.models.get(base, "m")
-            return httpx.Response(200, json={"object": "list", "data": [{"id": model, "object": "model"}]})
-        if path == "/v1/loads":
-            return httpx.Response(200, json={"loads": []})
-        self.seen.append((base, request, request.read()))
-        return self.behaviours[base](request)
-
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handler)
-
-
-A, B = "http://127.0.0.1:40001", "http://127.0.0.1:40002"
+def fake_fleet(handlers: Mapping[str, Handler], models: Mapping[str, str] | None = None) -> FakeFleet:
+    """Replicas serving model "m" (or ``models``), each running its handler for inference calls."""
+    return FakeFleet(handlers, models=models, model="m", server_info=SERVER_INFO)
 
 
 UNIT_TOKEN = "unit-admin-token"  # the admin API always needs a credential
@@ -78,12 +51,34 @@ def settings_for(replicas: list[str], **extra: Any) -> Settings:
     return load_settings(None, overrides)
 
 
+async def until_routable(gateway: Gateway, timeout_s: float = 5.0) -> None:
+    """A bounded poll until every replica of the registry is routable (the first probe, made
+    at startup, normally did it already)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not all(v.routable for v in gateway.registry.views()):
+        states = {v.id: v.state.value for v in gateway.registry.views()}
+        assert asyncio.get_running_loop().time() < deadline, f"replicas not routable: {states}"
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def running(fleet: FakeFleet, app: FastAPI) -> AsyncIterator[Gateway]:
+    """The fleet and ``app``'s lifespan around a test: the app's ``Gateway`` once every
+    replica is routable, the replicas whose handler is ``refuse`` refusing connections from
+    then on."""
+    async with fleet, app.router.lifespan_context(app):
+        gw: Gateway = app.state.gateway
+        await until_routable(gw)
+        await fleet.refuse_connections()
+        yield gw
+
+
 @asynccontextmanager
 async def gateway(fleet: FakeFleet, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """A client of the app; it sends the default admin token unless a test set its own."""
-    app = create_app(settings, transport=fleet.transport())
+    app = create_app(settings)
     auth = {"authorization": f"Bearer {UNIT_TOKEN}"} if settings.admin_token_value() == UNIT_TOKEN else {}
-    async with app.router.lifespan_context(app):
+    async with running(fleet, app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw", headers=auth) as client:
             yield client
@@ -93,28 +88,28 @@ CHAT = b'{"model": "m",  "messages": [{"role": "user", "content": "hello"}], "x_
 
 
 async def test_body_bytes_and_headers_pass_through() -> None:
-    fleet = FakeFleet({A: ok_completion})
-    async with gateway(fleet, settings_for([A])) as client:
+    fleet = fake_fleet({A: ok_completion})
+    async with gateway(fleet, settings_for(fleet.urls(A))) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={
             "content-type": "application/json", "x-custom": "1", "connection": "keep-alive",
             "authorization": "Bearer sk-test", "te": "trailers", "user-agent": "my-agent"})
     assert r.status_code == 200
-    assert r.headers["x-kvgate-replica"] == A
+    assert r.headers["x-kvgate-replica"] == fleet.url(A)
     assert r.headers["x-kvgate-route-reason"]
     assert r.headers["x-upstream"] == "yes"
     assert r.json()["usage"] == USAGE
-    (base, request, body), = fleet.seen
-    assert base == A and body == CHAT  # the very bytes the client sent
-    assert request.headers["x-custom"] == "1"
-    assert "authorization" not in request.headers  # the client's key stays (upstream.forward_authorization)
-    assert "te" not in request.headers and "connection" not in request.headers
-    assert request.headers.get_list("user-agent") == ["my-agent"]  # nothing of the gateway's own
-    assert request.headers["content-length"] == str(len(CHAT))
+    (seen,) = fleet.seen
+    assert seen.replica == A and seen.body == CHAT  # the very bytes the client sent
+    assert seen.headers["x-custom"] == "1"
+    assert "authorization" not in seen.headers  # the client's key stays (upstream.forward_authorization)
+    assert "te" not in seen.headers and "connection" not in seen.headers
+    assert seen.headers.getall("user-agent") == ["my-agent"]  # nothing of the gateway's own
+    assert seen.headers["content-length"] == str(len(CHAT))
 
 
 async def test_usage_feeds_metrics_and_lease_released() -> None:
-    fleet = FakeFleet({A: ok_completion})
-    async with gateway(fleet, settings_for([A])) as client:
+    fleet = fake_fleet({A: ok_completion})
+    async with gateway(fleet, settings_for(fleet.urls(A))) as client:
         await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
         metrics = (await client.get("/metrics")).text
         replicas = (await client.get("/admin/replicas")).json()["data"]
@@ -122,61 +117,53 @@ async def test_usage_feeds_metrics_and_lease_released() -> None:
     assert "kvgate_prompt_tokens_total 100.0" in metrics
     assert 'kvgate_requests_total{endpoint="chat",status="200"} 1.0' in metrics
     assert "kvgate_cache_hit_ratio 0.64" in metrics
-    assert f'kvgate_replica_state{{replica="{A}",state="active"}} 1.0' in metrics
+    assert f'kvgate_replica_state{{replica="{fleet.url(A)}",state="active"}} 1.0' in metrics
     assert "kvgate_policy_plugin_seconds_total{plugin=" in metrics
-    assert replicas[0]["in_flight"] == 0 and replicas[0]["url"] == A
+    assert replicas[0]["in_flight"] == 0 and replicas[0]["url"] == fleet.url(A)
 
 
-def refuse(request: httpx.Request) -> httpx.Response:
-    raise httpx.ConnectError("refused", request=request)
-
-
-def server_error(request: httpx.Request) -> httpx.Response:
-    return reply(503, {"detail": "The request queue is full."})
+server_error = json_reply(503, {"detail": "The request queue is full."})
 
 
 @pytest.mark.parametrize("failing", [refuse, server_error])
-async def test_failure_before_first_byte_retries_elsewhere(failing: Behaviour) -> None:
-    fleet = FakeFleet({A: failing, B: ok_completion})
-    async with gateway(fleet, settings_for([A, B])) as client:
+async def test_failure_before_first_byte_retries_elsewhere(failing: Handler) -> None:
+    fleet = fake_fleet({A: failing, B: ok_completion})
+    async with gateway(fleet, settings_for(fleet.urls(A, B))) as client:
         replies = [await client.post("/v1/chat/completions", content=CHAT,
                                      headers={"content-type": "application/json"}) for _ in range(4)]
         metrics = (await client.get("/metrics")).text
         views = {v["url"]: v for v in (await client.get("/admin/replicas")).json()["data"]}
-    assert all(r.status_code == 200 and r.headers["x-kvgate-replica"] == B for r in replies)
+    assert all(r.status_code == 200 and r.headers["x-kvgate-replica"] == fleet.url(B) for r in replies)
     assert "kvgate_upstream_retries_total" in metrics
-    assert views[A]["in_flight"] == 0 and views[B]["in_flight"] == 0
+    assert views[fleet.url(A)]["in_flight"] == 0 and views[fleet.url(B)]["in_flight"] == 0
 
 
 async def test_all_attempts_fail_gives_502_with_replica_header() -> None:
-    fleet = FakeFleet({A: refuse, B: refuse})
-    async with gateway(fleet, settings_for([A, B])) as client:
+    fleet = fake_fleet({A: refuse, B: refuse})
+    async with gateway(fleet, settings_for(fleet.urls(A, B))) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
     assert r.status_code == 502
     assert r.json()["error"]["type"] == "upstream_error"
-    assert r.headers["x-kvgate-replica"] in (A, B)
+    assert r.headers["x-kvgate-replica"] in fleet.urls(A, B)
 
 
 async def test_last_replica_5xx_is_relayed() -> None:
-    fleet = FakeFleet({A: server_error})
-    async with gateway(fleet, settings_for([A])) as client:
+    fleet = fake_fleet({A: server_error})
+    async with gateway(fleet, settings_for(fleet.urls(A))) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
     assert r.status_code == 503 and r.json() == {"detail": "The request queue is full."}
-    assert r.headers["x-kvgate-replica"] == A
+    assert r.headers["x-kvgate-replica"] == fleet.url(A)
 
 
 async def test_upstream_timeout_before_first_byte_is_504() -> None:
-    def slow(request: httpx.Request) -> httpx.Response:
-        raise httpx.ReadTimeout("timed out", request=request)
-
-    fleet = FakeFleet({A: slow})
-    async with gateway(fleet, settings_for([A])) as client:
+    fleet = fake_fleet({A: hang})
+    async with gateway(fleet, settings_for(fleet.urls(A), upstream={"total_timeout_s": 0.3})) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
     assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
 
 
 async def test_no_replica_503_and_ready() -> None:
-    fleet = FakeFleet({})
+    fleet = fake_fleet({})
     async with gateway(fleet, settings_for([])) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
         ready = await client.get("/ready")
@@ -194,8 +181,8 @@ async def test_no_replica_503_and_ready() -> None:
     (b'{"model": "m", "prompt": "x" }' + b" " * 2048, "application/json", 413),
 ])
 async def test_bad_input(body: bytes, content_type: str, status: int) -> None:
-    fleet = FakeFleet({A: ok_completion})
-    s = settings_for([A], hashing={"max_body_bytes": 1024})
+    fleet = fake_fleet({A: ok_completion})
+    s = settings_for(fleet.urls(A), hashing={"max_body_bytes": 1024})
     async with gateway(fleet, s) as client:
         path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
         r = await client.post(path, content=body, headers={"content-type": content_type})
@@ -205,8 +192,8 @@ async def test_bad_input(body: bytes, content_type: str, status: int) -> None:
 
 
 async def test_models_union_and_unknown_route() -> None:
-    fleet = FakeFleet({A: ok_completion, B: ok_completion}, models={A: "m1", B: "m2"})
-    async with gateway(fleet, settings_for([A, B])) as client:
+    fleet = fake_fleet({A: ok_completion, B: ok_completion}, models={A: "m1", B: "m2"})
+    async with gateway(fleet, settings_for(fleet.urls(A, B))) as client:
         models = (await client.get("/v1/models")).json()
         missing = await client.get("/nope")
     assert sorted(m["id"] for m in models["data"]) == ["m1", "m2"]
@@ -214,23 +201,24 @@ async def test_models_union_and_unknown_route() -> None:
 
 
 async def test_admin_api_with_token() -> None:
-    fleet = FakeFleet({A: ok_completion, B: ok_completion})
-    s = settings_for([A], admin={"token": "s3cret"}, index={"redis_url": None})
+    fleet = fake_fleet({A: ok_completion, B: ok_completion})
+    a, b = fleet.urls(A, B)
+    s = settings_for([a], admin={"token": "s3cret"}, index={"redis_url": None})
     auth = {"authorization": "Bearer s3cret"}
     async with gateway(fleet, s) as client:
         assert (await client.get("/admin/replicas")).status_code == 401
         wrong = await client.get("/admin/replicas", headers={"authorization": "Bearer nope"})
         assert wrong.status_code == 403 and wrong.json()["error"]["type"] == "permission_error"
-        added = await client.post("/admin/replicas", json={"url": B}, headers=auth)
-        assert added.status_code == 201 and added.json()["url"] == B
-        drained = await client.post("/admin/replicas/drain", json={"url": A, "wait": True}, headers=auth)
+        added = await client.post("/admin/replicas", json={"url": b}, headers=auth)
+        assert added.status_code == 201 and added.json()["url"] == b
+        drained = await client.post("/admin/replicas/drain", json={"url": a, "wait": True}, headers=auth)
         assert drained.status_code == 200 and drained.json()["removed"] is True
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
-        assert r.headers["x-kvgate-replica"] == B
-        assert (await client.post("/admin/replicas/undrain", json={"url": A}, headers=auth)).status_code == 404
-        drain_b = await client.post("/admin/replicas/drain", json={"url": B, "deadline_s": 30}, headers=auth)
+        assert r.headers["x-kvgate-replica"] == b
+        assert (await client.post("/admin/replicas/undrain", json={"url": a}, headers=auth)).status_code == 404
+        drain_b = await client.post("/admin/replicas/drain", json={"url": b, "deadline_s": 30}, headers=auth)
         assert drain_b.json()["state"] == "draining" or drain_b.json()["state"] == "removed"
-        gone = await client.delete("/admin/replicas", params={"url": B}, headers=auth)
+        gone = await client.delete("/admin/replicas", params={"url": b}, headers=auth)
         assert gone.status_code in (200, 404)
         config = (await client.get("/admin/config", headers=auth)).json()
         bad = await client.post("/admin/replicas", json={"nope": 1}, headers=auth)
@@ -239,51 +227,32 @@ async def test_admin_api_with_token() -> None:
 
 
 async def test_drained_replica_gets_no_new_requests() -> None:
-    fleet = FakeFleet({A: ok_completion, B: ok_completion})
-    async with gateway(fleet, settings_for([A, B])) as client:
-        drained = await client.post("/admin/replicas/drain", json={"url": B, "deadline_s": 60})
+    fleet = fake_fleet({A: ok_completion, B: ok_completion})
+    async with gateway(fleet, settings_for(fleet.urls(A, B))) as client:
+        drained = await client.post("/admin/replicas/drain", json={"url": fleet.url(B), "deadline_s": 60})
         replies = [await client.post("/v1/chat/completions", content=CHAT,
                                      headers={"content-type": "application/json"}) for _ in range(3)]
     assert drained.status_code == 200
-    assert {r.headers["x-kvgate-replica"] for r in replies} == {A}
-
-
-class BreakingStream(httpx.AsyncByteStream):
-    """Yields its chunks, then fails like a connection reset."""
-
-    def __init__(self, chunks: list[bytes]) -> None:
-        self.chunks = chunks
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            yield chunk
-        raise httpx.ReadError("connection reset by peer")
-
-
-def breaking(content_type: str, chunks: list[bytes]) -> Behaviour:
-    def behaviour(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, stream=BreakingStream(chunks), headers={"content-type": content_type})
-
-    return behaviour
+    assert {r.headers["x-kvgate-replica"] for r in replies} == {fleet.url(A)}
 
 
 async def test_json_body_breaking_after_first_byte_is_502() -> None:
-    fleet = FakeFleet({A: breaking("application/json", [b'{"id": "x", "choi'])})
-    async with gateway(fleet, settings_for([A])) as client:
+    fleet = fake_fleet({A: breaking("application/json", [b'{"id": "x", "choi'])})
+    async with gateway(fleet, settings_for(fleet.urls(A))) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
         views = (await client.get("/admin/replicas")).json()["data"]
     assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
-    assert r.headers["x-kvgate-replica"] == A
+    assert r.headers["x-kvgate-replica"] == fleet.url(A)
     assert views[0]["in_flight"] == 0
 
 
 async def test_sse_breaking_after_first_byte_ends_with_error_then_done() -> None:
     first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"Hel'  # cut mid-event
-    fleet = FakeFleet({A: breaking("text/event-stream", [first])})
-    async with gateway(fleet, settings_for([A])) as client:
+    fleet = fake_fleet({A: breaking("text/event-stream", [first])})
+    async with gateway(fleet, settings_for(fleet.urls(A))) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
         metrics = (await client.get("/metrics")).text
-    assert r.status_code == 200 and r.headers["x-kvgate-replica"] == A
+    assert r.status_code == 200 and r.headers["x-kvgate-replica"] == fleet.url(A)
     assert r.content.startswith(first + b"\n\n")  # the broken event is terminated, not glued to ours
     events = [e for e in r.content[len(first):].split(b"\n\n") if e]
     assert orjson.loads(events[0][6:])["error"]["type"] == "upstream_error"
@@ -292,8 +261,8 @@ async def test_sse_breaking_after_first_byte_ends_with_error_then_done() -> None
 
 
 async def test_admin_locked_without_a_token_and_openapi_served() -> None:
-    fleet = FakeFleet({A: ok_completion})
-    s = settings_for([A], admin={"token": None})
+    fleet = fake_fleet({A: ok_completion})
+    s = settings_for(fleet.urls(A), admin={"token": None})
     async with gateway(fleet, s) as client:
         none = await client.get("/admin/replicas")
         some = await client.get("/admin/replicas", headers={"authorization": "Bearer anything"})
@@ -304,9 +273,9 @@ async def test_admin_locked_without_a_token_and_openapi_served() -> None:
 
 
 async def test_drain_remaining_on_the_registry_clock_and_admin_calls_counted() -> None:
-    fleet = FakeFleet({A: ok_completion, B: ok_completion})
-    async with gateway(fleet, settings_for([A, B])) as client:
-        drained = (await client.post("/admin/replicas/drain", json={"url": B, "deadline_s": 30})).json()
+    fleet = fake_fleet({A: ok_completion, B: ok_completion})
+    async with gateway(fleet, settings_for(fleet.urls(A, B))) as client:
+        drained = (await client.post("/admin/replicas/drain", json={"url": fleet.url(B), "deadline_s": 30})).json()
         bad = await client.post("/admin/replicas", json={"url": "http://[::1"})
         metrics = (await client.get("/metrics")).text
     assert drained["state"] == "removed" or 0 < drained["drain_remaining_s"] <= 30
@@ -315,19 +284,23 @@ async def test_drain_remaining_on_the_registry_clock_and_admin_calls_counted() -
     assert 'kvgate_admin_requests_total{route="/admin/replicas/drain",status="200"} 1.0' in metrics
 
 
-def stored_responses(request: httpx.Request) -> httpx.Response:
+STORED = {"id": "resp_unit1", "object": "response", "status": "completed"}
+_created, _read = json_reply(200, {**STORED, "output": []}), json_reply(200, STORED)
+
+
+async def stored_responses(request: web.Request) -> web.StreamResponse:
     """A replica with one stored response: creating it, then reading, cancelling, deleting it."""
-    if request.method == "POST" and request.url.path == "/v1/responses":
-        return reply(200, {"id": "resp_unit1", "object": "response", "status": "completed", "output": []})
-    return reply(200, {"id": "resp_unit1", "object": "response", "status": "completed"})
+    if request.method == "POST" and request.path == "/v1/responses":
+        return await _created(request)
+    return await _read(request)
 
 
 async def test_a_trusted_tenant_header_names_the_owner() -> None:
     """With ``responses.tenant_header`` set (an authenticating proxy in front sets it), the
     header, not the key, is the tenant; without it the credential is; another tenant's id
     is the 404 of an unknown one, and nothing of it reaches the replica."""
-    fleet = FakeFleet({A: stored_responses})
-    s = settings_for([A], responses={"tenant_header": "X-Tenant", "tenant_hash_key": "unit-key"})
+    fleet = fake_fleet({A: stored_responses})
+    s = settings_for(fleet.urls(A), responses={"tenant_header": "X-Tenant", "tenant_hash_key": "unit-key"})
     async with gateway(fleet, s) as client:
         made = await client.post("/v1/responses", json={"model": "m", "input": "x"},
                                  headers={"x-tenant": "acme", "authorization": "Bearer k1"})

@@ -6,7 +6,6 @@ import asyncio
 from starlette.types import Message, Receive
 
 from gateway.client_watch import ClientWatch
-from gateway.push_relay import ChunkWriter
 
 
 def _receive(gone: asyncio.Event) -> Receive:
@@ -89,71 +88,3 @@ async def test_a_failing_receive_does_not_cancel_the_work() -> None:
     async with ClientWatch(receive) as watch:
         await asyncio.sleep(0.01)
     assert not watch.left
-
-
-class _Cycle:
-    """The part of uvicorn's cycle a ``ChunkWriter`` reads for the watch."""
-
-    def __init__(self, disconnected: bool = False) -> None:
-        self.disconnected = disconnected
-        self.response_complete = False
-        self.message_event = asyncio.Event()
-
-
-def _writer(disconnected: bool = False) -> ChunkWriter:
-    return ChunkWriter(_Cycle(disconnected), lambda listener: None)  # type: ignore[arg-type]
-
-
-async def _never() -> Message:
-    raise AssertionError("on kvgate's edge the watch never calls receive()")
-
-
-async def test_on_the_edge_the_connection_tells_the_watch_and_no_task_runs() -> None:
-    writer = _writer()
-    before = len(asyncio.all_tasks())
-    reached_end = False
-
-    async def work() -> bool:
-        nonlocal reached_end
-        async with ClientWatch(_never, writer) as watch:
-            assert len(asyncio.all_tasks()) == before + 1  # this one: no watcher task
-            asyncio.get_running_loop().call_soon(writer.client_lost)  # EdgeProtocol.connection_lost
-            await asyncio.sleep(10)
-            reached_end = True
-        return watch.left
-
-    assert await asyncio.wait_for(asyncio.create_task(work()), 5) is True
-    assert not reached_end and writer.lost is None
-
-
-async def test_on_the_edge_a_client_gone_already_stops_the_work_at_its_first_wait() -> None:
-    async with ClientWatch(_never, _writer(disconnected=True)) as watch:
-        await asyncio.sleep(10)
-    assert watch.left
-    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
-
-
-async def test_on_the_edge_work_that_ends_first_stops_watching() -> None:
-    writer = _writer()
-    async with ClientWatch(_never, writer) as watch:
-        assert writer.lost is not None
-        await asyncio.sleep(0)
-    assert writer.lost is None
-    writer.client_lost()  # the connection lost after the block changes nothing
-    await asyncio.sleep(0.01)
-    assert not watch.left
-
-
-async def test_on_the_edge_other_cancellations_go_on() -> None:
-    writer = _writer()
-
-    async def work() -> None:
-        async with ClientWatch(_never, writer):
-            await asyncio.sleep(10)
-
-    task = asyncio.create_task(work())
-    await asyncio.sleep(0.01)
-    task.cancel()  # e.g. the shutdown's cut
-    writer.client_lost()  # and the client leaves too: the outside cancellation still goes on
-    await asyncio.wait([task], timeout=5)
-    assert task.cancelled()

@@ -1,9 +1,9 @@
 """Index writes off the path to the first byte (issue 15): the Redis backend's write-behind.
 
-A real ``redis-server``; the gateway app over httpx's ASGI transport with fake replicas
-(``FakeFleet``). ``GatedRedis`` holds every pipeline (the write-behind batches) until its
-gate opens, so "the upstream request was sent before the index write finished" is a fact
-the test can check, not a race. No timing is asserted.
+A real ``redis-server``; the gateway app over httpx's ASGI transport with fake replicas on
+loopback HTTP (``tests.support.fake_replicas``). ``GatedRedis`` holds every pipeline (the
+write-behind batches) until its gate opens, so "the upstream request was sent before the
+index write finished" is a fact the test can check, not a race. No timing is asserted.
 """
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ import redis
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from gateway.app import Gateway, create_app
+from gateway.app import Gateway, create_app, make_client
 from policies.registry import make_policy
 from prefix_index.base import PrefixMatch, ReplicaId, SessionEntry
 from prefix_index.config import IndexConfig
 from prefix_index.redis_backend import RedisPrefixIndex
 from prefix_index.write_behind import PendingWrites, QueuedWrite, WriteQueue
+from replicas.probe import AiohttpGetter
 from replicas.registry import Registry
-from tests.gateway.test_app_unit import A, B, FakeFleet, ok_completion, settings_for
+from tests.gateway.test_app_unit import A, B, fake_fleet, ok_completion, running, settings_for
+from tests.support.fake_replicas import FakeFleet
 from tests.support.redis_server import redis_server
 
 pytestmark = pytest.mark.redis
@@ -91,11 +93,11 @@ def gated(url: str, **kw: Any) -> tuple[RedisPrefixIndex, GatedRedis]:
 @asynccontextmanager
 async def gateway_on(index: RedisPrefixIndex, fleet: FakeFleet) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
     """The app, serving a ``Gateway`` built on ``index`` (cache-aware, replicas A and B)."""
-    settings = settings_for([A, B], policy={"name": "cache-aware", "seed": 1})
-    app = create_app(settings, transport=fleet.transport())
-    async with app.router.lifespan_context(app):
-        client = httpx.AsyncClient(transport=fleet.transport())
-        registry = Registry(settings.registry, client, clock=time.time)
+    settings = settings_for(fleet.urls(A, B), policy={"name": "cache-aware", "seed": 1})
+    app = create_app(settings)
+    async with running(fleet, app):
+        client = make_client(settings)
+        registry = Registry(settings.registry, client, clock=time.time, probes=AiohttpGetter())
         policy = make_policy("cache-aware", {}, 1)
         gw = Gateway(settings, client, index, registry, policy)
         await gw.start()
@@ -122,13 +124,13 @@ async def until(cond: Any, timeout_s: float = 10.0) -> None:
 async def test_upstream_is_sent_while_the_index_write_is_held_and_later_decisions_see_it(
         redis_url: str, clean: redis.Redis) -> None:
     index, client = gated(redis_url)
-    fleet = FakeFleet({A: ok_completion, B: ok_completion})
+    fleet = fake_fleet({A: ok_completion, B: ok_completion})
     async with gateway_on(index, fleet) as (http, gw):
         await until(lambda: all(v.routable for v in gw.registry.views()))
         first = await http.post("/v1/chat/completions", content=chat("s1"))
         assert first.status_code == 200
         home = first.headers["x-kvgate-replica"]
-        assert [base for base, _, _ in fleet.seen] == [home]  # sent and answered ...
+        assert [fleet.url(seen.replica) for seen in fleet.seen] == [home]  # sent and answered ...
         await until(lambda: bool(client.waiting))  # ... while its write waits at the gate
         assert clean.get(b"kvgate:s:user:s1") is None and not client.gate.is_set()
 

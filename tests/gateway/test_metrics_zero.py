@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from gateway.metrics import (
-    CLOSE_REASONS,
     REJECT_REASONS,
     RETRY_REASONS,
     SCALE_STAGES,
@@ -14,7 +13,6 @@ from gateway.metrics import (
 
 
 @pytest.mark.parametrize(("series", "label", "values"), [
-    ("kvgate_client_connections_closed_total", "reason", CLOSE_REASONS),
     ("kvgate_requests_rejected_total", "reason", REJECT_REASONS),
     ("kvgate_scale_errors_total", "stage", SCALE_STAGES),
     ("kvgate_upstream_retries_total", "reason", RETRY_REASONS),

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from types import SimpleNamespace
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -12,7 +11,6 @@ import pytest
 from starlette.types import Message
 
 from gateway.bodies import header_map
-from gateway.proxy import Proxy
 from gateway.relay import (
     AnsweredResponse,
     HeaderPolicy,
@@ -24,7 +22,8 @@ from gateway.relay import (
     usage_of,
 )
 from gateway.retry import PoisonBodies, RetryBudget
-from tests.gateway.test_app_unit import CHAT, FakeFleet, gateway, ok_completion, reply, settings_for
+from tests.gateway.test_app_unit import CHAT, fake_fleet, gateway, ok_completion, settings_for
+from tests.support.fake_replicas import FakeFleet, Handler, json_reply, refuse
 
 USAGE_LINE = (b'data: {"id":"a","choices":[],"usage":{"prompt_tokens":1200,"total_tokens":1257,'
               b'"completion_tokens":57,"prompt_tokens_details":{"cached_tokens":1024}}}\n\n')
@@ -185,38 +184,35 @@ def test_header_map_keeps_the_first_value_of_a_name() -> None:
     assert header_map(raw) == {"x-session-id": "a", "content-type": "application/json"}
 
 
-# -- retry semantics over fake replicas (httpx MockTransport through HttpxUpstream) ----------
-A3, B3, C3 = "http://127.0.0.1:40011", "http://127.0.0.1:40012", "http://127.0.0.1:40013"
+# -- retry semantics over fake replicas (real loopback HTTP through AiohttpUpstream) ---------
+A3, B3, C3 = "A3", "B3", "C3"  # replica names: ``fleet.url(A3)`` is the address
 
 
-def _status(status: int) -> Callable[[httpx.Request], httpx.Response]:
-    def behaviour(request: httpx.Request) -> httpx.Response:
-        return reply(status, {"object": "error", "message": f"status {status}"})
-
-    return behaviour
+def _status(status: int) -> Handler:
+    return json_reply(status, {"object": "error", "message": f"status {status}"})
 
 
 async def _post_n(fleet: FakeFleet, n: int, body: bytes = CHAT) -> tuple[list[httpx.Response], dict[str, Any]]:
-    async with gateway(fleet, settings_for([A3, B3, C3])) as client:
+    async with gateway(fleet, settings_for(fleet.urls(A3, B3, C3))) as client:
         replies = [await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
                    for _ in range(n)]
-        views = {v["url"]: v for v in (await client.get("/admin/replicas")).json()["data"]}
+        views = {fleet.name_of(v["url"]): v for v in (await client.get("/admin/replicas")).json()["data"]}
         metrics = (await client.get("/metrics")).text
     return replies, {"views": views, "metrics": metrics}
 
 
 async def test_a_5xx_another_replica_answers_blames_the_first() -> None:
-    fleet = FakeFleet({A3: _status(500), B3: ok_completion, C3: ok_completion})
+    fleet = fake_fleet({A3: _status(500), B3: ok_completion, C3: ok_completion})
     replies, seen = await _post_n(fleet, 15)
     assert all(r.status_code == 200 for r in replies)
     assert seen["views"][A3]["ejected"] and not seen["views"][B3]["ejected"]
     assert 'kvgate_upstream_retries_total{reason="status_5xx"}' in seen["metrics"]
-    assert 'kvgate_replica_ejections_total{reason="consecutive",replica="http://127.0.0.1:40011"} 1.0' \
+    assert f'kvgate_replica_ejections_total{{reason="consecutive",replica="{fleet.url(A3)}"}} 1.0' \
         in seen["metrics"]
 
 
 async def test_a_5xx_from_two_replicas_is_the_request_s_own() -> None:
-    fleet = FakeFleet({A3: _status(500), B3: _status(500), C3: _status(500)})
+    fleet = fake_fleet({A3: _status(500), B3: _status(500), C3: _status(500)})
     replies, seen = await _post_n(fleet, 12)
     assert [r.status_code for r in replies] == [500] * 12
     assert replies[0].json() == {"object": "error", "message": "status 500"}  # relayed as it is
@@ -226,9 +222,9 @@ async def test_a_5xx_from_two_replicas_is_the_request_s_own() -> None:
 
 
 async def test_overload_is_retried_and_blames_nobody() -> None:
-    fleet = FakeFleet({A3: _status(503), B3: _status(429), C3: ok_completion})
+    fleet = fake_fleet({A3: _status(503), B3: _status(429), C3: ok_completion})
     replies, seen = await _post_n(fleet, 12)
-    assert all(r.status_code == 200 and r.headers["x-kvgate-replica"] == C3 for r in replies)
+    assert all(r.status_code == 200 and r.headers["x-kvgate-replica"] == fleet.url(C3) for r in replies)
     assert not any(v["ejected"] for v in seen["views"].values())
     assert 'kvgate_upstream_retries_total{reason="head_timeout"} 0.0' in seen["metrics"]  # pre-created
     assert "kvgate_retry_budget_exhausted_total 0.0" in seen["metrics"]
@@ -252,8 +248,8 @@ def test_retry_budget_and_poison_bodies() -> None:
 
 
 async def test_spent_retry_budget_returns_the_first_error() -> None:
-    fleet = FakeFleet({A3: _status(503), B3: _status(503), C3: _status(503)})
-    s = settings_for([A3, B3, C3], upstream={"retry_budget_min": 0, "retry_budget_ratio": 0.0})
+    fleet = fake_fleet({A3: _status(503), B3: _status(503), C3: _status(503)})
+    s = settings_for(fleet.urls(A3, B3, C3), upstream={"retry_budget_min": 0, "retry_budget_ratio": 0.0})
     async with gateway(fleet, s) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
         metrics = (await client.get("/metrics")).text
@@ -265,85 +261,12 @@ async def test_spent_retry_budget_returns_the_first_error() -> None:
 async def test_refused_connection_is_retried_outside_the_budget() -> None:
     """Nothing was sent, so the retry adds no work: even a spent budget does not stop it
     (a replica that dies under load must not fail the requests about to reach it)."""
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
-
-    fleet = FakeFleet({A3: refuse, B3: refuse, C3: ok_completion})
-    s = settings_for([A3, B3, C3], upstream={"retry_budget_min": 0, "retry_budget_ratio": 0.0})
+    fleet = fake_fleet({A3: refuse, B3: refuse, C3: ok_completion})
+    s = settings_for(fleet.urls(A3, B3, C3), upstream={"retry_budget_min": 0, "retry_budget_ratio": 0.0})
     async with gateway(fleet, s) as client:
         rs = [await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
               for _ in range(3)]
         metrics = (await client.get("/metrics")).text
     assert [r.status_code for r in rs] == [200, 200, 200]
-    assert {r.headers["x-kvgate-replica"] for r in rs} == {C3}
+    assert {r.headers["x-kvgate-replica"] for r in rs} == {fleet.url(C3)}
     assert "kvgate_retry_budget_exhausted_total 0.0" in metrics
-
-
-# -- the callbacks path's first attempt: sent, then routed (``Proxy.begin``) ------------------
-class _Connection:
-    """A stub of an idle upstream connection: records the write and the close."""
-
-    def __init__(self, events: list[str], closed: bool = False) -> None:
-        self.events, self.closed = events, closed
-        self.response: _Response | None = None
-
-    def request(self, wire: bytes, body: bytes) -> str:
-        if self.closed:  # (as a transport whose handle is closed raises)
-            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
-        self.events.append("written")
-        self.response = _Response()
-        return "head"
-
-    def abort(self) -> None:
-        self.events.append("aborted")
-
-
-class _Response:
-    sink: object = None
-
-    def answer_with(self, sink: object) -> None:
-        self.sink = sink
-
-
-class _Routing:
-    """``Proxy.begin``'s own steps, recorded (``lease_now`` raising when ``fail``)."""
-
-    def __init__(self, events: list[str], fail: bool = False) -> None:
-        self.events, self.fail = events, fail
-
-    def lease_now(self, ctx: object, decision: object, started_s: float) -> SimpleNamespace:
-        if self.fail:
-            raise RuntimeError("a bug in the routing bookkeeping")
-        self.events.append("routed")
-        return SimpleNamespace(response=None)
-
-    def _answer_sink(self, attempt: object, writer: object) -> str:
-        return "sink"
-
-
-def test_begin_writes_the_request_before_routing_it_and_attaches_the_sink() -> None:
-    """The replica starts on the request while the gateway leases and runs the hooks; the
-    answer's sink is attached in the same call (nothing is read before it returns)."""
-    events: list[str] = []
-    conn = _Connection(events)
-    begun = Proxy.begin(_Routing(events), None, None, 0.0, (conn, b"wire"), b"{}", None)  # type: ignore[arg-type]
-    assert begun is not None
-    attempt, head = begun
-    assert events == ["written", "routed"] and head == "head"
-    assert conn.response is not None and conn.response.sink == "sink" and attempt.response is conn.response
-
-
-def test_begin_closes_the_sent_request_when_routing_it_fails() -> None:
-    events: list[str] = []
-    with pytest.raises(RuntimeError):
-        Proxy.begin(_Routing(events, fail=True), None, None, 0.0, (_Connection(events), b"wire"), b"{}", None)  # type: ignore[arg-type]
-    assert events == ["written", "aborted"]  # the replica sees the close (SGLang aborts the request)
-
-
-def test_begin_routes_nothing_when_the_write_fails() -> None:
-    """A write that raises: nothing is routed (no lease, no hooks), the connection is
-    closed, and the caller starts over (the task path, from the request's start)."""
-    events: list[str] = []
-    assert Proxy.begin(_Routing(events), None, None, 0.0, (_Connection(events, closed=True), b"wire"), b"{}",  # type: ignore[arg-type]
-                       None) is None
-    assert events == ["aborted"]

@@ -9,7 +9,7 @@ from gateway.settings import load_settings
 from prefix_index.base import ReplicaId
 from replicas.model import ReplicaState, ReplicaView
 from replicas.scale import ScaleParams
-from tests.gateway.test_app_unit import CHAT, A, B, FakeFleet, gateway, ok_completion, settings_for
+from tests.gateway.test_app_unit import CHAT, A, B, fake_fleet, gateway, ok_completion, settings_for
 
 R1, R2, R3 = ReplicaId("http://r1:1"), ReplicaId("http://r2:1"), ReplicaId("http://r3:1")
 
@@ -132,8 +132,9 @@ def test_scale_config_defaults_and_settings() -> None:
 
 
 async def test_admin_scale_endpoints_and_hit_feedback() -> None:
-    fake = FakeFleet({A: ok_completion, B: ok_completion})
-    async with gateway(fake, settings_for([A, B])) as client:
+    fake = fake_fleet({A: ok_completion, B: ok_completion})
+    a, b = fake.urls(A, B)
+    async with gateway(fake, settings_for([a, b])) as client:
         r = await client.post("/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"})
         served = r.headers["x-kvgate-replica"]
         scale = (await client.get("/admin/scale")).json()
@@ -143,7 +144,7 @@ async def test_admin_scale_endpoints_and_hit_feedback() -> None:
         metrics = (await client.get("/metrics")).text
     hits = {row["url"]: row["hit_tokens"] for row in scale["ranking"]}
     assert hits[served] == 64  # the usage's cached_tokens, recorded by the proxy
-    other = B if served == A else A
+    other = b if served == a else a
     assert scale["candidate"] == other and scale["current_replicas"] == 2
     assert prepared["removal_candidates"] == [other] and replicas[other]["removal_candidate"]
     assert bad.status_code == 400
@@ -151,8 +152,8 @@ async def test_admin_scale_endpoints_and_hit_feedback() -> None:
 
 
 async def test_admin_scale_needs_token() -> None:
-    fake = FakeFleet({A: ok_completion})
-    async with gateway(fake, settings_for([A], admin={"token": "t"})) as client:
+    fake = fake_fleet({A: ok_completion})
+    async with gateway(fake, settings_for(fake.urls(A), admin={"token": "t"})) as client:
         assert (await client.get("/admin/scale")).status_code == 401
         ok = await client.get("/admin/scale", headers={"authorization": "Bearer t"})
-    assert ok.status_code == 200 and ok.json()["candidate"] == A
+    assert ok.status_code == 200 and ok.json()["candidate"] == fake.url(A)

@@ -21,7 +21,7 @@ def test_defaults() -> None:
     assert (s.host, s.port, s.upstream.max_retries) == ("127.0.0.1", 8000, 2)
     assert s.policy.name == "cache-aware" and s.index.backend == "memory"
     assert s.admin.token is None and s.admin.port is None and s.hashing.block_chars == 256
-    assert (s.server.keep_alive_timeout_s, s.server.header_timeout_s, s.server.shutdown_grace_s) == (75.0, 10.0, 300.0)
+    assert (s.server.header_timeout_s, s.server.body_timeout_s, s.server.shutdown_grace_s) == (30.0, 60.0, 300.0)
 
 
 def test_precedence_flags_over_env_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,16 +92,16 @@ def test_sections_from_env_and_moved_names(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv("KVGATE_ADMIN__TOKEN")
     assert load_settings().admin_token_value() == "legacy"
     monkeypatch.delenv("KVGATE_ADMIN_TOKEN")
-    old = load_settings(overrides={"admin_token": "old", "keep_alive_timeout_s": 3})  # the names before sections
-    assert old.admin_token_value() == "old" and old.server.keep_alive_timeout_s == 3.0
+    old = load_settings(overrides={"admin_token": "old"})  # the name before sections
+    assert old.admin_token_value() == "old"
 
 
 @pytest.mark.parametrize(("name", "text", "expected"), [
     ("bad.toml", "port = 8000\n[server]\nmax_connections = -1\n",
      "config file {p}, line 3: field server.max_connections: Input should be greater than or equal to 1"),
     ("bad.toml", "port = \n", "config file {p}, line 1: Invalid value (column 8)"),
-    ("bad.yaml", "server:\n  idle_timeout_s: 0\n",
-     "config file {p}, line 2: field server.idle_timeout_s: Input should be greater than 0"),
+    ("bad.yaml", "server:\n  header_timeout_s: 0\n",
+     "config file {p}, line 2: field server.header_timeout_s: Input should be greater than 0"),
     ("bad.yaml", "policy: [\n  x: 1\n", "config file {p}, line 3: expected ',' or ']', but got '<stream end>'"),
     ("bad.yaml", "no_such: 1\n", "config file {p}, line 1: field no_such: Extra inputs are not permitted"),
     ("bad.yaml", "- 1\n", "config file {p}: top level must be a table/mapping"),
@@ -123,7 +123,7 @@ def test_config_error_without_file_names_the_field() -> None:
 def test_connection_limit_stays_below_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
-    from gateway import edge
+    from gateway import serve_cmd as edge
 
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
     monkeypatch.setattr(resource, "setrlimit", lambda *_: None)

@@ -6,7 +6,6 @@ functions so tests can start extra gateways with other flags.
 """
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,11 +46,6 @@ class Gateway:
     def metric(self, series: str) -> float:
         """`metric_value` of ``series`` on the gateway's ``/metrics`` now."""
         return metric_value(self.metrics(), series)
-
-    def callback_outcomes(self) -> dict[str, float]:
-        """``kvgate_callback_path_requests_total`` by outcome: how requests left the callbacks path."""
-        return {m.group(1): float(m.group(2)) for m in re.finditer(
-            r'kvgate_callback_path_requests_total\{outcome="(\w+)"\} (\S+)', self.metrics())}
 
     def replicas(self) -> dict[str, dict[str, Any]]:
         r = self.admin("GET", "/replicas")

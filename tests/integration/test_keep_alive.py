@@ -2,8 +2,9 @@
 
 A server that closes an idle connection at the moment its client sends the next request
 on it loses that request (the client sees a reset, no response). Clients such as httpx
-and the openai SDK expire idle connections after 5 s, uvicorn's default server timeout
-is also 5 s; the gateway's ``server.keep_alive_timeout_s`` (75 s) makes the client close first.
+and the openai SDK expire idle connections after 5 s; the gateway's
+``server.header_timeout_s`` (30 s, which also bounds idle keep-alive connections) makes
+the client close first.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _idle_then_reuse(url: str, idle_s: float) -> bytes:
 
 
 def test_idle_connection_outlives_the_timeout_setting(make_gateway: GatewayFactory) -> None:
-    short = make_gateway([], "--set", "server.keep_alive_timeout_s=0.3")
+    short = make_gateway([], "--set", "server.header_timeout_s=0.3")
     assert _idle_then_reuse(short.url, 1.5) == b""  # the server closed it: the setting applies
     default = make_gateway([])
     assert _idle_then_reuse(default.url, 1.5).startswith(b"HTTP/1.1 200")

@@ -38,8 +38,6 @@ def test_targets() -> None:
     assert kvgate_policy("kvgate-session-hash") == "session-hash"
     assert kvgate_policy("smg-least-load") is None
     assert parse_targets("python-floor,python-floor-granian") == ["python-floor", "python-floor-granian"]
-    assert parse_targets("python-floor-protocol,python-floor-protocol-aiohttp") == [
-        "python-floor-protocol", "python-floor-protocol-aiohttp"]
     assert kvgate_policy("python-floor") is None
     with pytest.raises(ValueError, match="unknown target"):
         parse_targets("kvgate,nginx")
@@ -144,7 +142,7 @@ def test_tiny_run_of_the_floors_in_front_of_a_fleet(tmp_path: Path) -> None:
     """The pass-through floors in front of 2 replicas: every request answered, nothing
     routed anywhere but the fleet."""
     out = tmp_path / "peers.json"
-    floors = ["python-floor", "python-floor-protocol", "python-floor-protocol-aiohttp"]
+    floors = ["python-floor"]
     code = kvgate_main(["bench", "peers", "--replicas", "2", "--profile", "tiny", "--time-scale", "20",
                         "--synthetic-sessions", "4", "--synthetic-token-scale", "0.02", "--sessions-concurrent", "4",
                         "--duration-s", "10", "--max-requests", "16", "--targets", ",".join(floors),

@@ -165,29 +165,6 @@ def test_the_floors_keep_a_session_on_one_replica_and_spread_the_rest() -> None:
     assert [replicas.pick(b"") for _ in range(4)] == ["a", "b", "c", "a"]  # no session: in turn
 
 
-def test_tiny_run_beside_the_protocol_floors(tmp_path: Path) -> None:
-    """The pass-through below ASGI (asyncio Protocols both sides, with aiohttp as its client,
-    with its chunks pulled by a task, and with kvgate's routing in its callbacks), and kvgate's
-    own server and client with no routing, over real processes: every case measured,
-    streamed and not, no error row."""
-    out = tmp_path / "overhead.json"
-    code = main(["--targets",
-                 ("python-floor-protocol,python-floor-protocol-aiohttp,python-floor-protocol-pull,python-floor-kvgate,"
-                  "python-floor-protocol-routed"),
-                 "--small", "6", "--large", "2", "--kbs", "100", "--concurrency", "1,2", "--resamples", "20",
-                 "--json", str(out)])
-    rows = orjson.loads(out.read_bytes())["overhead"]
-    assert code == 0
-    for target, version in (("python-floor-protocol", "pass-through (asyncio Protocols+httptools)"),
-                            ("python-floor-protocol-aiohttp", "pass-through (asyncio Protocol server+aiohttp)"),
-                            ("python-floor-protocol-pull", "pass-through (asyncio Protocols, chunks pulled by a task)"),
-                            ("python-floor-kvgate", "pass-through (kvgate's server and h1 client)"),
-                            ("python-floor-protocol-routed", "kvgate's routing on asyncio Protocols (callbacks only)")):
-        mine = [r for r in rows if r["target"] == target]
-        assert len(mine) == 12 and all("error" not in r and r["n"] >= 2 for r in mine), target
-        assert {r["version"] for r in mine} == {version}
-
-
 def test_a_failing_target_named_twice_gets_two_error_rows() -> None:
     """Rows follow the opened targets, not their names: two targets of one name that fail
     (nothing listens on their port) give one error row each."""

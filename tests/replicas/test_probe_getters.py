@@ -1,18 +1,20 @@
-"""The probe Getters over real HTTP on 127.0.0.1: answers, bounds, timeouts, failures."""
+"""The probe Getters over real HTTP on 127.0.0.1: answers, bounds, timeouts, failures, TLS."""
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 from aiohttp import web
 
-from gateway.h1_probes import H1Getter
 from replicas import probe
 from replicas.health import HealthEvent
+from tests.support.tls import make_pki
 
 BIG = probe.MAX_PROBE_BODY_BYTES + 1
 
@@ -51,16 +53,21 @@ async def _handler(request: web.Request) -> web.StreamResponse:
     return web.Response(status=404)
 
 
-@pytest.fixture
-async def server() -> AsyncIterator[str]:
+async def _serve(tls: ssl.SSLContext | None = None) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_route("GET", "/{tail:.*}", _handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
+    return runner, f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[str]:
+    runner, url = await _serve()
+    yield url
     await runner.cleanup()
 
 
@@ -72,7 +79,7 @@ def _httpx() -> probe.Getter:
     return probe.HttpxGetter(httpx.AsyncClient(trust_env=False))
 
 
-GETTERS = pytest.mark.parametrize("make", [_aiohttp, _httpx, H1Getter], ids=["aiohttp", "httpx", "h1"])
+GETTERS = pytest.mark.parametrize("make", [_aiohttp, _httpx], ids=["aiohttp", "httpx"])
 
 
 @GETTERS
@@ -128,17 +135,37 @@ async def test_each_step_within_the_timeout_and_the_whole_within_its_multiple(
         await get.close()
 
 
-async def test_h1_sends_a_plain_get_and_keeps_its_connection(server: str) -> None:
-    """A GET without a body or content-length, the query and the replica URL's own path
-    kept; answers read to their end leave one keep-alive connection, reused."""
-    get = H1Getter()
+async def test_aiohttp_sends_a_plain_get_and_keeps_its_connection(server: str) -> None:
+    """A GET without a body, content-length or accept-encoding, the query and the replica
+    URL's own path kept; answers read to their end leave one keep-alive connection, reused."""
+    get = probe.AiohttpGetter()
     try:
         answers = [orjson.loads((await get(server + "/base/echo?include=core", 2.0))[1]) for _ in range(3)]
         first = answers[0]
         assert (first["method"], first["path"], first["query"]) == ("GET", "/base/echo", "include=core")
-        assert "content-length" not in first["headers"] and "transfer-encoding" not in first["headers"]
+        for name in ("content-length", "transfer-encoding", "accept-encoding", "user-agent"):
+            assert name not in first["headers"], name
         assert len({a["port"] for a in answers}) == 1
-        assert (await get(server + "/nothing", 2.0))[0] == 404  # an error answer: its connection is closed
-        assert orjson.loads((await get(server + "/echo", 2.0))[1])["port"] != first["port"]
     finally:
         await get.close()
+
+
+async def test_aiohttp_verifies_https_replicas_as_its_ssl_says(tmp_path: Path) -> None:
+    """``ssl``: a context with the replica's CA succeeds; the system store (default) refuses
+    a certificate it does not know (ProbeFailed naming it); False accepts any."""
+    pki = make_pki(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(pki.cert_file, pki.key_file)
+    runner, url = await _serve(tls)
+    getters = [probe.AiohttpGetter(ssl=ssl.create_default_context(cafile=str(pki.ca_file))),
+               probe.AiohttpGetter(), probe.AiohttpGetter(ssl=False)]
+    try:
+        trusted, system, unverified = getters
+        assert await trusted(url + "/ready", 2.0) == (200, b"ok")
+        with pytest.raises(probe.ProbeFailed, match="certificate"):
+            await system(url + "/ready", 2.0)
+        assert await unverified(url + "/ready", 2.0) == (200, b"ok")
+    finally:
+        for get in getters:
+            await get.close()
+        await runner.cleanup()

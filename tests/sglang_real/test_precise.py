@@ -63,8 +63,8 @@ def gateway(servers: list[SGLangServer]) -> Iterator[tuple[TestClient, PreciseMo
     modes: list[PreciseMode] = []
     build = app_module.build_gateway
 
-    def build_with_precise(settings: Any, transport: Any = None) -> Any:
-        gw = build(settings, transport)
+    def build_with_precise(settings: Any) -> Any:
+        gw = build(settings)
         mode = attach_precise(settings.index, gw.client, gw.registry, gw.router, gw.metrics)
         assert mode is not None
         modes.append(mode)

@@ -12,10 +12,10 @@ by module and by function, with cProfile's own time per request beside them.
 
 The counts do not depend on the machine's load; the times do, and cProfile inflates every
 call (its own cost is per call), so read them as shares. ``kvgate`` minus
-``python-floor-kvgate`` (kvgate's server and client with no request work) is what kvgate's
+``python-floor`` (the same server and client with no request work) is what kvgate's
 own request work runs.
 
-    python tools/profile/calls.py --targets kvgate,python-floor-kvgate --requests 2000
+    python tools/profile/calls.py --targets kvgate,python-floor --requests 2000
     python tools/profile/calls.py --targets kvgate --requests 500 --kb 400 --stream
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ def table(title: str, calls: PerRequest, spent: PerRequest, top: int) -> Table:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", default="kvgate,python-floor-kvgate")
+    parser.add_argument("--targets", default="kvgate,python-floor")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--kb", type=int, default=0, help="an agent-shaped body of this size (0: a small chat)")
