@@ -138,19 +138,10 @@ def downstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byte
     """The replica's response headers as relayed: hop-by-hop ones (also those its
     ``Connection:`` names), ``date``/``server`` (the gateway's server sets them) and any
     ``x-kvgate-*`` dropped."""
-    return relayed_head(raw)[0]
-
-
-def relayed_head(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    """``downstream_headers`` and the answer's (first) content type, in one pass over the
-    headers (the answer sink's, on the callbacks path's request path)."""
     out: list[tuple[bytes, bytes]] = []
-    content_type: bytes | None = None
     connection = False
     for k, v in raw:
         name = k.lower()
-        if name == b"content-type" and content_type is None:
-            content_type = v
         if name in NOT_RELAYED or name.startswith(_DROPPED_PREFIXES):
             connection = connection or name == b"connection"
             continue
@@ -158,7 +149,7 @@ def relayed_head(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, byte
     if connection:  # (rare) the names its Connection: lists are hop-by-hop too
         named = _connection_named(raw)
         out = [(k, v) for k, v in out if k.lower() not in named]
-    return out, content_type or b""
+    return out
 
 
 def route_headers(replica: str, reason: str) -> dict[str, str]:

@@ -12,10 +12,8 @@ from gateway.relay import (
     NOT_RELAYED,
     HeaderPolicy,
     downstream_headers,
-    relayed_head,
     upstream_headers,
 )
-from gateway.upstream import RawHeaders
 
 Raw = list[tuple[bytes, bytes]]
 
@@ -94,13 +92,3 @@ def test_upstream_headers_keep_what_they_kept(raw: Raw, policy: HeaderPolicy, cl
 @given(headers)
 def test_downstream_headers_keep_what_they_kept(raw: Raw) -> None:
     assert downstream_headers(raw) == old_downstream(raw)
-
-
-@settings(max_examples=400, deadline=None)
-@given(headers)
-def test_relayed_head_is_the_downstream_headers_and_the_first_content_type(raw: Raw) -> None:
-    """The answer sink's one pass: the relayed headers, and the content type the proxy's
-    SSE check reads (``RawHeaders.get``: the first one)."""
-    relayed, content_type = relayed_head(raw)
-    assert relayed == old_downstream(raw)
-    assert content_type.decode("latin-1") == RawHeaders(raw).get("content-type", "")

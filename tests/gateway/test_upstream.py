@@ -133,6 +133,13 @@ async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index
         await writer.drain()
 
 
+def first_then_echo(first: Handler) -> Handler:
+    """``first`` serves the first connection; every later one is an ``echo``."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await (first if index == 0 else echo)(reader, writer, index)
+    return serve
+
+
 def replying(data: bytes) -> Handler:
     """Reads one request, writes ``data``, then waits for the client to close."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
@@ -247,14 +254,12 @@ async def test_connection_closed_by_the_replica_is_replaced() -> None:
 async def test_unfinished_answer_closes_its_connection_and_is_not_reused() -> None:
     """A body left unread (the caller gave up on a stream): the replica sees the disconnect."""
     async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
-        if index > 0:
-            return await echo(reader, writer, index)
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunk_frame(b"data: 0\n\n"))
         await writer.drain()
         await until_eof(reader)
 
-    async with fake_replica(endless) as replica, upstream() as pool:
+    async with fake_replica(first_then_echo(endless)) as replica, upstream() as pool:
         response = await send(pool, replica.url, b"sse")
         chunks = response.aiter_raw()
         assert await asyncio.wait_for(anext(chunks), WAIT_S) == b"data: 0\n\n"
@@ -283,8 +288,6 @@ async def test_cancelled_request_closes_its_connection() -> None:
                    "closes such a connection short of force_close (no keep-alive)")
 async def test_unsolicited_bytes_on_an_idle_connection_close_it() -> None:
     async def chatty(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
-        if index > 0:
-            return await echo(reader, writer, index)
         _, body = await read_request(reader)
         writer.write(answer(body))
         await writer.drain()
@@ -293,7 +296,7 @@ async def test_unsolicited_bytes_on_an_idle_connection_close_it() -> None:
         await writer.drain()
         await until_eof(reader)
 
-    async with fake_replica(chatty) as replica, upstream() as pool:
+    async with fake_replica(first_then_echo(chatty)) as replica, upstream() as pool:
         assert await fetch(pool, replica.url, b"one") == (200, b"one")
         await asyncio.sleep(0.1)
         assert await fetch(pool, replica.url, b"two") == (200, b"two")
@@ -305,14 +308,12 @@ async def test_two_answers_in_one_write_deliver_the_first_and_never_the_second()
         assert await fetch(pool, replica.url, b"one") == (200, b"one")
 
     async def double(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
-        if index > 0:
-            return await echo(reader, writer, index)
         _, body = await read_request(reader)
         writer.write(answer(body) + answer(b"stray"))
         await writer.drain()
         await until_eof(reader)
 
-    async with fake_replica(double) as replica, upstream() as pool:
+    async with fake_replica(first_then_echo(double)) as replica, upstream() as pool:
         assert await fetch(pool, replica.url, b"one") == (200, b"one")
         assert await fetch(pool, replica.url, b"two") == (200, b"two")
 
@@ -336,14 +337,12 @@ async def test_early_answer_to_an_unsent_body_is_returned_and_its_connection_not
     release = asyncio.Event()
 
     async def early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
-        if index > 0:
-            return await echo(reader, writer, index)
         await reader.readuntil(b"\r\n\r\n")  # the head only: the body is never read
         writer.write(answer(b"too large", b"413 Payload Too Large"))
         await writer.drain()
         await asyncio.wait_for(release.wait(), 10.0)  # neither reads nor closes
 
-    async with fake_replica(early) as replica, upstream() as pool:
+    async with fake_replica(first_then_echo(early)) as replica, upstream() as pool:
         try:
             assert await fetch(pool, replica.url, b"x" * 3_000_000) == (413, b"too large")
             assert await asyncio.wait_for(fetch(pool, replica.url, b"small"), 1.0) == (200, b"small")
