@@ -24,7 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sglang-cpu": ("loadtest.sglang_cpu.cli", "run real SGLang 0.5.23 servers on the CPU with a tiny local model"),
     "sglang-args": ("replicas.sglang_args", "generate SGLang launch arguments from a replica profile"),
 }
-BENCH_EXTRA = frozenset({"rich", "matplotlib"})  # the `bench` extra's packages: the harness's, never serving's
+# the `bench` extra's packages and the harness itself (absent from the gateway image): never serving's
+BENCH_EXTRA = frozenset({"rich", "matplotlib", "uvicorn", "loadtest"})
 
 
 def installed_version() -> str:
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
     except ModuleNotFoundError as exc:
-        if exc.name not in BENCH_EXTRA:
+        if (exc.name or "").partition(".")[0] not in BENCH_EXTRA:
             raise
         print(f"kvgate {name} needs the harness's extra ({exc.name} is missing): pip install 'kvgate[bench]'",
               file=sys.stderr)

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-import httpx
 from pydantic import BaseModel, Field
 
 from prefix_index.base import ReplicaId
@@ -178,15 +177,14 @@ class ScaleLoop:
 
     def __init__(self, config: ScaleConfig, registry: CandidateRegistry, views: Callable[[], Iterable[ReplicaView]],
                  index: ResidentSource, resident_window_s: float, metrics: ScaleMetrics,
-                 annotator: tuple[PodDeletionCostAnnotator, httpx.AsyncClient] | None = None) -> None:
+                 annotator: PodDeletionCostAnnotator | None = None) -> None:
         self.config = config
         self.hits = HitWindow(config.hits_window_s)
         self.marks = CandidateMarks(registry)
         self.advisor = ScaleAdvisor(config.params(), marker=self.marks)
         self._views, self._index, self._window_s = views, index, resident_window_s
         self._metrics = metrics
-        self._annotator: PodDeletionCostAnnotator | None = annotator[0] if annotator else None
-        self._api_client: httpx.AsyncClient | None = annotator[1] if annotator else None
+        self._annotator = annotator
         self._lock = asyncio.Lock()
         self.last: ScaleReport | None = None
 
@@ -228,8 +226,8 @@ class ScaleLoop:
             log.info("scale: pod-deletion-cost updated on %s", ", ".join(patched))
 
     async def close(self) -> None:
-        if self._api_client is not None:
-            await self._api_client.aclose()
+        if self._annotator is not None:
+            await self._annotator.aclose()
 
     async def run(self) -> None:
         """Until cancelled: evaluate, annotate, sleep."""
@@ -243,15 +241,13 @@ class ScaleLoop:
             await asyncio.sleep(self.config.interval_s)
 
 
-def make_annotator(config: ScaleConfig) -> tuple[PodDeletionCostAnnotator, httpx.AsyncClient] | None:
-    """The in-cluster pod annotator and its API client when ``annotate_pods`` (raises outside a pod)."""
+def make_annotator(config: ScaleConfig) -> PodDeletionCostAnnotator | None:
+    """The pod annotator when ``annotate_pods`` (in a pod, else the kubeconfig; raises without either)."""
     if not config.annotate_pods:
         return None
-    from replicas.discovery_k8s import ApiServer
+    from replicas.kube import ApiServer
 
-    api = ApiServer.in_cluster(config.namespace)
-    client = api.client()
-    return PodDeletionCostAnnotator(client, api.namespace, config.pod_selector), client
+    return PodDeletionCostAnnotator(ApiServer.from_environment(config.namespace), config.pod_selector)
 
 
 def report_json(report: ScaleReport) -> dict[str, object]:

@@ -1,11 +1,14 @@
-"""Kubernetes discovery: watch the EndpointSlices of the replicas' Service with plain httpx.
+"""Kubernetes discovery: list + watch the EndpointSlices of the replicas' Service.
 
-Why httpx and not a Kubernetes client library: the watch protocol is small (list, then
-watch from the list's ``resourceVersion``; ``BOOKMARK`` events advance it; ``410 Gone``
-means "relist"), httpx is already a dependency, and a local HTTP server speaking the
-protocol tests it end to end (tests/replicas_k8s/test_discovery_k8s.py). Inside a pod
-the API server, CA and the (rotated) service-account token come from the standard
-in-cluster locations; the Role needs get/list/watch on ``endpointslices`` only.
+The API calls are ``replicas.kube``'s (kubernetes-asyncio): list the Service's slices,
+then watch from the list's ``resourceVersion`` with bookmarks (a ``BOOKMARK`` only
+advances the version); a watch the server ends (``timeout_s``) is resumed from the last
+version seen; ``410 Gone`` (HTTP status or ERROR event) means "relist"; any other failure
+is logged and the discovery relists after ``retry_s``. In a pod the API server, CA and
+(rotated) service-account token come from the standard in-cluster locations, elsewhere
+from the kubeconfig (``replicas.kube``); the Role needs get/list/watch on
+``endpointslices`` only. Tested end to end against a local API server over TLS
+(tests/replicas_k8s/test_discovery_k8s.py).
 
 Endpoint states (merged over all slices of the Service, the best state wins):
 
@@ -25,71 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
-import os
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
-
-import httpx
 
 from prefix_index.base import ReplicaId
 from replicas.config import RegistryConfig
 from replicas.discovery_base import DiscoveryTarget, notify
+from replicas.kube import ApiServer, Gone, KubeClient, list_endpoint_slices, watch_endpoint_slices
 from replicas.urls import ReplicaUrlError, address_replica_url
 
 log = logging.getLogger(__name__)
-
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
-
-
-class Gone(Exception):
-    """The watch's resourceVersion is too old (HTTP 410 or an ERROR event with code 410)."""
-
-
-@dataclass(frozen=True)
-class ApiServer:
-    """Where the API server is and how to authenticate (token re-read on every request)."""
-
-    url: str
-    token_path: Path | None = None
-    ca_path: Path | None = None
-    namespace: str = "default"
-
-    @classmethod
-    def in_cluster(cls, namespace: str | None = None) -> ApiServer:
-        host = os.environ.get("KUBERNETES_SERVICE_HOST")
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host:
-            raise RuntimeError("not in a Kubernetes pod (KUBERNETES_SERVICE_HOST unset)")
-        host = f"[{host}]" if ":" in host else host
-        ns_file = SA_DIR / "namespace"
-        ns = namespace or (ns_file.read_text().strip() if ns_file.is_file() else "default")
-        return cls(f"https://{host}:{port}", SA_DIR / "token", SA_DIR / "ca.crt", ns)
-
-    def auth(self) -> httpx.Auth:
-        return _TokenAuth(self.token_path)
-
-    def client(self, timeout: httpx.Timeout | None = None) -> httpx.AsyncClient:
-        verify: Any = str(self.ca_path) if self.ca_path and self.ca_path.is_file() else True
-        return httpx.AsyncClient(base_url=self.url, verify=verify, auth=self.auth(),
-                                 timeout=timeout or httpx.Timeout(10.0))
-
-
-class _TokenAuth(httpx.Auth):
-    """Bearer token from the projected service-account file (the kubelet rotates it)."""
-
-    def __init__(self, path: Path | None) -> None:
-        self._path = path
-
-    def auth_flow(self, request: httpx.Request) -> Any:
-        if self._path is not None and self._path.is_file():
-            request.headers["Authorization"] = f"Bearer {self._path.read_text().strip()}"
-        yield request
-
 
 class EndpointState(enum.IntEnum):
     """Ordered: a URL in several slices takes its best state."""
@@ -146,15 +95,12 @@ class EndpointSliceDiscovery:
         port_name: str | None = None,
         watch_timeout_s: int = 300,
         retry_s: float = 2.0,
-        client: httpx.AsyncClient | None = None,
         allow_link_local: bool = False,
     ) -> None:
         self._api, self._target, self._port_name = api, target, port_name
         self._allow_link_local = allow_link_local
-        self._path = SLICES_PATH.format(ns=api.namespace)
         self._selector = f"kubernetes.io/service-name={service}"
         self._watch_timeout_s, self._retry_s = watch_timeout_s, retry_s
-        self._client = client
         self._slices: dict[str, dict[ReplicaId, EndpointState]] = {}
         self._known: dict[ReplicaId, EndpointState] = {}  # what the target was told
         self.relists = 0
@@ -163,64 +109,62 @@ class EndpointSliceDiscovery:
     def from_config(cls, config: RegistryConfig, target: DiscoveryTarget) -> EndpointSliceDiscovery:
         if not config.k8s_service:
             raise ValueError("registry.discovery = 'kubernetes' needs registry.k8s_service")
-        return cls(ApiServer.in_cluster(config.k8s_namespace), config.k8s_service, target,
+        return cls(ApiServer.from_environment(config.k8s_namespace), config.k8s_service, target,
                    port_name=config.k8s_port_name, allow_link_local=config.allow_link_local_replicas)
 
     def _endpoints(self, obj: Mapping[str, Any]) -> dict[ReplicaId, EndpointState]:
         return slice_endpoints(obj, self._port_name, allow_link_local=self._allow_link_local)
 
     async def run(self) -> None:
-        client = self._client or self._api.client(httpx.Timeout(10.0, read=self._watch_timeout_s + 30.0))
+        kube = await self._connect()
         try:
             while True:
                 try:
-                    version = await self._list(client)
+                    version = await self._list(kube)
                     while True:
-                        version = await self._watch(client, version)
+                        version = await self._watch(kube, version)
                 except Gone:
                     log.info("endpointslice watch: 410 Gone, relisting")
-                except (httpx.HTTPError, ValueError, KeyError) as e:
-                    log.warning("endpointslice watch failed (%s); relisting in %.1fs", e, self._retry_s)
+                except Exception as e:  # noqa: BLE001 - the loop outlives any API trouble; logged, retried
+                    log.warning("endpointslice watch failed (%s: %s); relisting in %.1fs",
+                                type(e).__name__, e, self._retry_s)
                     await asyncio.sleep(self._retry_s)
         finally:
-            if self._client is None:
-                await client.aclose()
+            await kube.aclose()
 
-    async def _list(self, client: httpx.AsyncClient) -> str:
-        resp = await client.get(self._path, params={"labelSelector": self._selector})
-        resp.raise_for_status()
-        body = resp.json()
+    async def _connect(self) -> KubeClient:
+        while True:
+            try:
+                return await self._api.connect()
+            except Exception as e:  # noqa: BLE001 - e.g. a token not mounted yet: logged, retried
+                log.warning("kubernetes client: cannot connect (%s: %s); retrying in %.1fs",
+                            type(e).__name__, e, self._retry_s)
+                await asyncio.sleep(self._retry_s)
+
+    async def _list(self, kube: KubeClient) -> str:
+        version, items = await list_endpoint_slices(kube, self._selector)
         self.relists += 1
-        self._slices = {item["metadata"]["name"]: self._endpoints(item) for item in body.get("items") or []}
+        self._slices = {item["metadata"]["name"]: self._endpoints(item) for item in items}
         await self._sync()
-        return str(body["metadata"]["resourceVersion"])
-
-    async def _watch(self, client: httpx.AsyncClient, version: str) -> str:
-        """One watch request; returns the last resourceVersion seen when it ends."""
-        params = {"labelSelector": self._selector, "watch": "1", "resourceVersion": version,
-                  "allowWatchBookmarks": "true", "timeoutSeconds": str(self._watch_timeout_s)}
-        async with client.stream("GET", self._path, params=params) as resp:
-            if resp.status_code == 410:
-                raise Gone()
-            resp.raise_for_status()
-            async for event in _json_lines(resp):
-                version = await self._apply(event, version)
         return version
 
-    async def _apply(self, event: Mapping[str, Any], version: str) -> str:
-        kind, obj = event.get("type"), event.get("object") or {}
-        if kind == "ERROR":
-            if obj.get("code") == 410:
-                raise Gone()
-            raise ValueError(f"watch error: {obj.get('message')}")
+    async def _watch(self, kube: KubeClient, version: str) -> str:
+        """One watch request; returns the last resourceVersion seen when it ends."""
+        async for event in watch_endpoint_slices(kube, self._selector, version, self._watch_timeout_s):
+            await self._apply(event.type, event.object)
+            version = event.resource_version
+        return version
+
+    async def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
+        """One watch event (ERROR events are the client's: they raise)."""
         meta = obj.get("metadata") or {}
         if kind in ("ADDED", "MODIFIED"):
             self._slices[meta["name"]] = self._endpoints(obj)
         elif kind == "DELETED":
             self._slices.pop(meta["name"], None)
-        if kind != "BOOKMARK":
-            await self._sync()
-        return str(meta.get("resourceVersion") or version)
+        else:
+            return  # BOOKMARK: only the version moves
+        await self._sync()
 
     async def _sync(self) -> None:
         """Tell the target what changed between what it knows and the merged slices."""
@@ -239,10 +183,3 @@ class EndpointSliceDiscovery:
         for url in sorted(set(self._known) - set(merged)):
             del self._known[url]
             await notify(self._target, "remove", url)
-
-
-async def _json_lines(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    async for line in resp.aiter_lines():
-        if line.strip():
-            event: dict[str, Any] = json.loads(line)
-            yield event

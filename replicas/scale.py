@@ -37,10 +37,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import httpx
+from urllib.parse import urlsplit
 
 from prefix_index.base import ReplicaId
+from replicas.kube import ApiServer, KubeClient, annotate_pod, list_pods
 from replicas.model import ReplicaState, ReplicaView
 
 INT32_MAX = 2**31 - 1
@@ -181,30 +181,35 @@ class ScaleAdvisor:
 class PodDeletionCostAnnotator:
     """Writes pod-deletion-cost annotations on the replica pods (Role: list + patch pods).
 
-    ``client`` is an API-server client (``replicas.discovery_k8s.ApiServer.client()``);
-    pods are found by ``label_selector`` and matched to replica URLs by pod IP.
+    Pods are found by ``label_selector`` in the API server's namespace (``replicas.kube``:
+    in cluster or a kubeconfig) and matched to replica URLs by pod IP. The client connects
+    on the first :meth:`apply`; :meth:`aclose` closes it.
     """
 
-    def __init__(self, client: httpx.AsyncClient, namespace: str, label_selector: str) -> None:
-        self._client, self._ns, self._selector = client, namespace, label_selector
+    def __init__(self, api: ApiServer, label_selector: str) -> None:
+        self._api, self._selector = api, label_selector
+        self._kube: KubeClient | None = None
 
     async def apply(self, costs: Mapping[ReplicaId, int]) -> list[str]:
-        """Patch the pods whose cost changed; returns their names."""
-        resp = await self._client.get(f"/api/v1/namespaces/{self._ns}/pods", params={"labelSelector": self._selector})
-        resp.raise_for_status()
-        by_ip = {item.get("status", {}).get("podIP"): item for item in resp.json().get("items") or []}
+        """Patch the pods whose cost changed; returns their names. Raises ``KubeError``."""
+        if self._kube is None:
+            self._kube = await self._api.connect()
+        pods = await list_pods(self._kube, self._selector)
+        by_ip = {(pod.get("status") or {}).get("podIP"): pod for pod in pods}
         patched: list[str] = []
         for url, cost in sorted(costs.items()):
-            pod = by_ip.get(httpx.URL(url).host)
+            pod = by_ip.get(urlsplit(url).hostname)
             if pod is None:
                 continue
             name = pod["metadata"]["name"]
             current = (pod["metadata"].get("annotations") or {}).get(DELETION_COST)
             if current == str(cost):
                 continue
-            body = {"metadata": {"annotations": {DELETION_COST: str(cost)}}}
-            r = await self._client.patch(f"/api/v1/namespaces/{self._ns}/pods/{name}", json=body,
-                                         headers={"Content-Type": "application/merge-patch+json"})
-            r.raise_for_status()
+            await annotate_pod(self._kube, name, {DELETION_COST: str(cost)})
             patched.append(name)
         return patched
+
+    async def aclose(self) -> None:
+        if self._kube is not None:
+            await self._kube.aclose()
+            self._kube = None

@@ -1,14 +1,15 @@
-"""Cache-aware scale-in ranking, the desired-replica signal with hysteresis, deletion costs."""
+"""Cache-aware scale-in ranking, the desired-replica signal with hysteresis, deletion costs
+and their annotation on pods (against the local API server of fake_api.py)."""
 from __future__ import annotations
 
-import json
-from typing import Any
+from pathlib import Path
 
-import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefix_index.base import ReplicaId
+from replicas.kube import ApiServer
 from replicas.model import ReplicaState, ReplicaView
 from replicas.scale import (
     DELETION_COST,
@@ -21,6 +22,8 @@ from replicas.scale import (
     desired_replicas,
     rank_for_scale_in,
 )
+from tests.replicas_k8s.fake_api import FakeApi, Served, make_tls, service_account
+from tests.support.procs import free_port
 
 CAP = 1_000_000  # device + host tokens per replica
 
@@ -102,22 +105,22 @@ async def test_advisor_cooldown_marks_coldest_then_unmarks() -> None:
     assert marker.calls == [(rid(2), True), (rid(2), False)]
 
 
-async def test_annotator_patches_changed_pods_only() -> None:
-    pods = {"sglang-a": ("10.0.0.1", "5"), "sglang-b": ("10.0.0.2", None)}
-    patches: list[tuple[str, Any]] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.method == "GET":
-            assert request.url.params["labelSelector"] == "app.kubernetes.io/name=sglang"
-            items = [{"metadata": {"name": n, "annotations": {DELETION_COST: c} if c else {}},
-                      "status": {"podIP": ip}} for n, (ip, c) in pods.items()]
-            return httpx.Response(200, json={"items": items})
-        assert request.headers["content-type"] == "application/merge-patch+json"
-        patches.append((request.url.path, json.loads(request.content)))
-        return httpx.Response(200, json={})
-
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="https://api") as client:
-        annotator = PodDeletionCostAnnotator(client, "llm", "app.kubernetes.io/name=sglang")
-        patched = await annotator.apply({rid(1): 5, rid(2): 7, rid(9): 1})
-    assert patched == ["sglang-b"]
-    assert patches == [("/api/v1/namespaces/llm/pods/sglang-b", {"metadata": {"annotations": {DELETION_COST: "7"}}})]
+async def test_annotator_patches_changed_pods_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against the local API server over HTTPS, as in a pod (tests/replicas_k8s/fake_api.py)."""
+    tls = make_tls(tmp_path)
+    pods = {"sglang-a": ("10.0.0.1", "5"), "sglang-b": ("10.0.0.2", None), "sglang-c": ("10.0.0.3", None)}
+    api = FakeApi(pods=[{"metadata": {"name": n, "annotations": {DELETION_COST: c, "keep": "me"} if c else {}},
+                         "status": {"podIP": ip}} for n, (ip, c) in pods.items()])
+    port = free_port()
+    service_account(tmp_path, tls, port, monkeypatch, token="sa-token", namespace="llm")
+    annotator = PodDeletionCostAnnotator(ApiServer.in_cluster(), "app.kubernetes.io/name=sglang")
+    async with Served(api, tls, port):
+        try:
+            patched = await annotator.apply({rid(1): 5, rid(2): 7, rid(9): 1})
+            again = await annotator.apply({rid(1): 5, rid(2): 7})  # nothing changed since
+        finally:
+            await annotator.aclose()
+    assert (patched, again) == (["sglang-b"], [])
+    assert api.patches == [("sglang-b", "application/strategic-merge-patch+json",
+                            {"metadata": {"annotations": {DELETION_COST: "7"}}})]
+    assert api.auth == {"Bearer sa-token"}
