@@ -1,6 +1,6 @@
 """The Helm chart (deploy/helm/kvgate) is generated from the kustomize overlays and
 renders the same objects: ``helm template`` with the chart's defaults equals
-``kubectl kustomize deploy/overlays/<fleet>``, with other values (namespace, images,
+``kubectl kustomize deploy/overlays/<fleet>``, with other values (namespace, the three images,
 Prometheus URL, monitoring and operator namespaces) equals the site overlay with the same
 values, and every rendered object validates like the overlays' (tests/deploy/k8s.py).
 
@@ -72,11 +72,13 @@ def test_values_render_the_site_overlay(helm: str, overlay: str) -> None:
     fleet = overlay.split("/")[1]
     rendered = render(helm, "team-b", f"fleet={fleet}", "createNamespace=true",
                       "image.repository=registry.example/kvgate", "image.tag=2.0.1",
+                      "sim.image.repository=registry.example/kvgate-sim", "sim.image.tag=2.0.1",
                       "sglang.image.repository=registry.example/sglang", "sglang.image.tag=v0.5.24",
                       "prometheus.url=http://prom.obs.svc:9090", "prometheus.namespace=obs",
                       "admin.operatorNamespace=ops")
     site = build_site(overlay, "team-b",
                       {"ghcr.io/kvgate/kvgate": ("registry.example/kvgate", "2.0.1"),
+                       "ghcr.io/kvgate/kvgate-sim": ("registry.example/kvgate-sim", "2.0.1"),
                        "lmsysorg/sglang": ("registry.example/sglang", "v0.5.24")},
                       {"prometheusUrl": "http://prom.obs.svc:9090", "monitoringNamespace": "obs",
                        "operatorNamespace": "ops"})

@@ -269,7 +269,8 @@ def test_network_policies(built: dict[str, list[Doc]]) -> None:
         assert set(_rules_by_port({"spec": spec})) <= names, policy  # every named port exists
 
 
-SITE_IMAGES = {"ghcr.io/kvgate/kvgate": ("registry.example/kvgate", "1.2.3")}
+SITE_IMAGES = {"ghcr.io/kvgate/kvgate": ("registry.example/kvgate", "1.2.3"),
+               "ghcr.io/kvgate/kvgate-sim": ("registry.example/kvgate-sim", "1.2.3")}
 SITE_PARAMS = {"prometheusUrl": "http://prom.obs.svc:9090", "monitoringNamespace": "obs", "operatorNamespace": "ops"}
 
 
@@ -287,7 +288,9 @@ def test_site_parameters_reach_every_object(overlay: str) -> None:
     assert trigger["query"] == 'max(kvgate_desired_replicas{namespace="team-a"})'
     assert trigger["serverAddress"] == "http://prom.obs.svc:9090"
     assert sorted(re.findall(r'"kubernetes.io/metadata.name": "([^"]+)"', text)) == ["obs", "obs", "ops"]
-    assert "registry.example/kvgate:1.2.3" in {c["image"] for _n, c, _p in containers(docs)}
+    images = {c["image"] for _n, c, _p in containers(docs)}
+    assert "registry.example/kvgate:1.2.3" in images
+    assert ("registry.example/kvgate-sim:1.2.3" in images) == (overlay == "overlays/sim-cpu")
     assert find(docs, "RoleBinding", "kvgate")["subjects"][0]["namespace"] == "team-a"
 
 
