@@ -4,7 +4,8 @@
 non-streaming one gets ``None`` and is never held: its first byte is the end of the whole
 generation, so the gateway cannot see its prefill end). ``wait`` returns when the ticket
 is released: at once (also when the replica's recent predictions were far off:
-``replicas.admission.PredictionTrust``), when the replica's prefill ahead drops below the budget, when the
+``replicas.admission.PredictionTrust``), when the replica's prefill ahead drops below the budget (smallest
+first, or the oldest once later arrivals overtook it by ``bypass_factor`` x its size), when the
 ticket reaches ``max_wait_s`` (the age bound: delayed, never starved), or when the
 replica leaves routing (``flush``). A client that leaves while held cancels the wait and
 ``done`` takes the ticket out. ``started`` (the attempt's first byte) and ``done`` (its
@@ -33,6 +34,10 @@ class AdmissionConfig(BaseModel):
         description="released, unstarted predicted prefill per replica above which new requests are held "
         "(~ one chunked-prefill step of a large GPU)")
     max_wait_s: float = Field(default=30.0, ge=0, description="a request held this long is released anyway")
+    bypass_factor: float = Field(
+        default=0.5, ge=0,
+        description="a held request is overtaken by later arrivals for at most this times the prefill it would "
+        "wait for first come, first served (0: first come, first served; replicas.admission)")
     trust_window: int = Field(default=64, ge=1, description="a replica's last predictions that decide whether "
                               "its order is trusted (replicas.admission.PredictionTrust)")
     trust_min_close: float = Field(
@@ -55,7 +60,7 @@ class Admission(AdmissionFront):
     def __init__(self, cfg: AdmissionConfig, clock: Callable[[], float] = time.monotonic,
                  on_waited: Callable[[str, float], None] | None = None) -> None:
         """``on_waited(released_by, seconds)``: told of every held request's wait (metrics)."""
-        super().__init__(cfg.enabled, cfg.budget_tokens, cfg.max_wait_s, cfg.trust())
+        super().__init__(cfg.enabled, cfg.budget_tokens, cfg.max_wait_s, cfg.trust(), cfg.bypass_factor)
         self.cfg = cfg
         self._clock = clock
         self._on_waited = on_waited

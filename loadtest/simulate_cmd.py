@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admission.budget_tokens (default: the gateway's)")
     p.add_argument("--admission-max-wait-s", type=float, default=None,
                    help="admission.max_wait_s (default: the gateway's)")
+    p.add_argument("--admission-bypass-factor", type=float, default=None,
+                   help="admission.bypass_factor (default: the gateway's)")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results JSON here")
     p.add_argument("--quiet", action="store_true", help="no table")
     add_capacity_arguments(p)
@@ -132,11 +134,9 @@ def make_config(args: argparse.Namespace) -> SimConfig:
         ramp_s=args.ramp_s, seed=args.seed,
     )
     params = orjson.loads(args.policy_params) if args.policy_params else {}
-    admission = AdmissionConfig(enabled=getattr(args, "admission", "on") == "on")
-    if getattr(args, "admission_budget_tokens", None) is not None:
-        admission = admission.model_copy(update={"budget_tokens": args.admission_budget_tokens})
-    if getattr(args, "admission_max_wait_s", None) is not None:
-        admission = admission.model_copy(update={"max_wait_s": args.admission_max_wait_s})
+    overrides = {name: value for name in ("budget_tokens", "max_wait_s", "bypass_factor")
+                 if (value := getattr(args, f"admission_{name}", None)) is not None}
+    admission = AdmissionConfig(enabled=getattr(args, "admission", "on") == "on", **overrides)
     return SimConfig(profile=profile, replicas=args.replicas,
                      gpus_per_replica=args.gpus_per_replica or profile.tp_size or 8, pacing=pacing,
                      seed=args.seed, max_requests=args.max_requests, sim_duration_s=args.sim_duration_s,

@@ -11,10 +11,27 @@ short and choose the order itself:
 * a new request is released at once while the replica's released, unstarted prefill is
   below ``budget_tokens`` and nobody is held for it; otherwise it is *held*;
 * when a prefill ends, held requests are released smallest predicted prefill first (ties:
-  arrival order) while the replica is below the budget again;
+  arrival order) while the replica is below the budget again, **with bounded bypass**: when
+  releasing the smallest would overtake an older held request by more than its allowance,
+  the oldest held request goes next instead (released by ``fairness``; it overtakes nobody);
 * a request held ``max_wait_s`` is released whatever the budget (``expire``), so a cold
   request is delayed, never starved; a replica that leaves routing has everything held for
   it released (``flush``) so that the proxy's failover handles it.
+
+Bounded bypass is the fairness guarantee. A held request's *allowance* is ``bypass_factor``
+times the prefill it would wait for first come, first served: what was released and held
+ahead of it when it arrived, plus its own. Requests that arrive later are released before
+it for at most that many predicted tokens, whoever sent them, so its prefill wait is at
+most ``1 + bypass_factor`` times its first-come-first-served one (plus the step in flight;
+the default 0.5 was chosen on half of the recorded sessions, docs/benchmarks.md).
+A tenant looping small requests cannot push another's large one to the age bound (issue
+41: six 8k-token streams held a 30k-token stream for ~30 s under pure smallest-first),
+while a warm turn can still overtake a start-up burst of cold first turns, each of which
+waited for the whole burst anyway: that is where ordering pays (docs/benchmarks.md,
+"Prefill admission"). Bypass is counted per replica as the tokens released from anywhere
+but the head of the arrival order since the ticket was held (an over-count while older
+tickets are held, so the bound errs toward arrival order); checking a release costs one
+pass over the held requests older than it.
 
 The order is only as good as the predictions. Where a replica's recent predictions were
 far off (approximate mode on a replica that evicts heavily: a turn predicted cached is a
@@ -43,6 +60,10 @@ from enum import Enum
 
 from prefix_index.base import ReplicaId
 
+# how a held ticket was released: a prefill ahead ended (smallest first), the bypass bound
+# (oldest first), the age bound (max_wait_s), the replica left routing
+RELEASES = ("budget", "fairness", "age", "flush")
+
 
 class TicketState(Enum):
     HELD = "held"
@@ -60,7 +81,9 @@ class Ticket:
     seq: int
     home: _Replica = field(repr=False)  # the per-replica state it counts in (survives a flush)
     state: TicketState = TicketState.HELD
-    released_by: str = ""  # a held ticket's release: "budget", "age" (max_wait_s) or "flush"; "" = never held
+    released_by: str = ""  # a held ticket's release: RELEASES below; "" = never held
+    bypass_base: int = 0  # the replica's bypass counter when it was held
+    allowance: float = 0.0  # tokens of later arrivals that may be released before it
 
     def __lt__(self, other: Ticket) -> bool:  # the hold queue's order
         return (self.tokens, self.seq) < (other.tokens, other.seq)
@@ -70,7 +93,34 @@ class Ticket:
 class _Replica:
     pending_tokens: int = 0  # released, prefill not ended
     held: list[Ticket] = field(default_factory=list)  # heap; DONE/RELEASED entries are dropped lazily
+    arrivals: deque[Ticket] = field(default_factory=deque)  # held in arrival order; dropped lazily too
     held_count: int = 0
+    held_tokens: int = 0
+    bypassed: int = 0  # tokens released ahead of an older held ticket, ever
+
+    def unhold(self, t: Ticket) -> None:
+        self.held_count -= 1
+        self.held_tokens -= t.tokens
+
+    def oldest(self) -> Ticket | None:
+        arrivals = self.arrivals
+        while arrivals and arrivals[0].state is not TicketState.HELD:
+            arrivals.popleft()
+        return arrivals[0] if arrivals else None
+
+    def smallest(self) -> Ticket | None:
+        heap = self.held
+        while heap and heap[0].state is not TicketState.HELD:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def compact(self) -> None:
+        """Bound the lazily deleted entries of both orders."""
+        if len(self.held) > 2 * self.held_count + 64:
+            self.held = [t for t in self.held if t.state is TicketState.HELD]
+            heapq.heapify(self.held)
+        if len(self.arrivals) > 2 * self.held_count + 64:
+            self.arrivals = deque(t for t in self.arrivals if t.state is TicketState.HELD)
 
 
 class PrefillQueue:
@@ -78,11 +128,12 @@ class PrefillQueue:
     later than its ``offer`` (by ``started``/``done``/``expire``/``flush``)."""
 
     def __init__(self, budget_tokens: int, max_wait_s: float,
-                 on_release: Callable[[Ticket], None] | None = None) -> None:
-        if budget_tokens < 1 or max_wait_s < 0:
-            raise ValueError("budget_tokens must be >= 1 and max_wait_s >= 0")
+                 on_release: Callable[[Ticket], None] | None = None, bypass_factor: float = 0.5) -> None:
+        if budget_tokens < 1 or max_wait_s < 0 or bypass_factor < 0:
+            raise ValueError("budget_tokens must be >= 1, max_wait_s and bypass_factor >= 0")
         self.budget_tokens = budget_tokens
         self.max_wait_s = max_wait_s
+        self.bypass_factor = bypass_factor
         self.on_release = on_release
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._ages: list[tuple[float, int, Ticket]] = []  # (deadline, seq, ticket), lazily cleaned
@@ -121,12 +172,16 @@ class PrefillQueue:
     def offer(self, replica: ReplicaId, tokens: int, now_s: float) -> Ticket:
         """A routed request; its ticket is RELEASED (send now) or HELD (wait)."""
         r = self._replicas.setdefault(replica, _Replica())
-        t = Ticket(replica, max(0, int(tokens)), now_s, next(self._seq), r)
+        t = Ticket(replica, max(0, int(tokens)), now_s, next(self._seq), r, bypass_base=r.bypassed)
         if r.held_count == 0 and r.pending_tokens < self.budget_tokens:
             self._release(r, t)
             return t
+        # first come, first served it would wait for what is ahead and its own prefill
+        t.allowance = self.bypass_factor * (r.pending_tokens + r.held_tokens + t.tokens)
         heapq.heappush(r.held, t)
+        r.arrivals.append(t)
         r.held_count += 1
+        r.held_tokens += t.tokens
         self.held_total += 1
         heapq.heappush(self._ages, (now_s + self.max_wait_s, t.seq, t))
         return t
@@ -146,10 +201,8 @@ class PrefillQueue:
         elif ticket.state is TicketState.HELD:
             ticket.state = TicketState.DONE
             r = ticket.home
-            r.held_count -= 1
-            if len(r.held) > 2 * r.held_count + 64:  # bound the lazily deleted entries
-                r.held = [t for t in r.held if t.state is TicketState.HELD]
-                heapq.heapify(r.held)
+            r.unhold(ticket)
+            r.compact()
 
     def expire(self, now_s: float) -> list[Ticket]:
         """Release every ticket held for ``max_wait_s`` or longer; returns them."""
@@ -160,7 +213,7 @@ class PrefillQueue:
             if t.state is TicketState.HELD:
                 self.expired_total += 1
                 r = t.home
-                r.held_count -= 1
+                r.unhold(t)
                 self._release(r, t, "age")
                 out.append(t)
                 self._notify(t)
@@ -172,7 +225,7 @@ class PrefillQueue:
         if r is None:
             return []
         out = sorted(t for t in r.held if t.state is TicketState.HELD)
-        r.held, r.held_count = [], 0
+        r.held, r.arrivals, r.held_count, r.held_tokens = [], deque(), 0, 0
         for t in out:
             self._release(r, t, "flush")
             self._notify(t)
@@ -186,16 +239,33 @@ class PrefillQueue:
         self.released_total += 1
 
     def _drain(self, r: _Replica) -> None:
-        heap = r.held
-        while heap and r.pending_tokens < self.budget_tokens:
-            t = heapq.heappop(heap)
-            if t.state is not TicketState.HELD:
-                continue
-            r.held_count -= 1
-            self._release(r, t, "budget")
+        while r.held_count and r.pending_tokens < self.budget_tokens:
+            t, oldest = r.smallest(), r.oldest()
+            assert t is not None and oldest is not None
+            by = "budget"
+            if t is not oldest:
+                if self._over_bound(r, t):
+                    t, by = oldest, "fairness"  # the oldest overtakes nobody
+                else:
+                    r.bypassed += t.tokens
+            r.unhold(t)
+            self._release(r, t, by)
             self._notify(t)
         if not r.held_count:
-            heap.clear()
+            r.held.clear()
+            r.arrivals.clear()
+        else:
+            r.compact()
+
+    def _over_bound(self, r: _Replica, candidate: Ticket) -> bool:
+        """Would releasing ``candidate`` now overtake an older held ticket beyond its bound?"""
+        for t in r.arrivals:  # arrival order: every held ticket older than the candidate
+            if t is candidate:
+                return False
+            if (t.state is TicketState.HELD
+                    and r.bypassed - t.bypass_base + candidate.tokens > t.allowance):
+                return True
+        return False
 
     def _notify(self, t: Ticket) -> None:
         if self.on_release is not None:
@@ -242,9 +312,9 @@ class AdmissionFront:
     each tolerating an ungated request (``None``)."""
 
     def __init__(self, enabled: bool, budget_tokens: int, max_wait_s: float,
-                 trust: PredictionTrust | None = None) -> None:
+                 trust: PredictionTrust | None = None, bypass_factor: float = 0.5) -> None:
         self.enabled = enabled
-        self.queue = PrefillQueue(budget_tokens, max_wait_s, self._released)
+        self.queue = PrefillQueue(budget_tokens, max_wait_s, self._released, bypass_factor)
         self.trust = trust or PredictionTrust()
 
     def _ticket(self, replica: ReplicaId, tokens: int, stream: bool, now_s: float) -> Ticket | None:

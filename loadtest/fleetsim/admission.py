@@ -20,7 +20,7 @@ class SimAdmission(AdmissionFront):
     """The admission of one simulated gateway (see the module docstring)."""
 
     def __init__(self, cfg: AdmissionConfig, fleet: VirtualFleet) -> None:
-        super().__init__(cfg.enabled, cfg.budget_tokens, cfg.max_wait_s, cfg.trust())
+        super().__init__(cfg.enabled, cfg.budget_tokens, cfg.max_wait_s, cfg.trust(), cfg.bypass_factor)
         self.fleet = fleet
         self._sends: dict[int, Callable[[], None]] = {}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,7 +81,7 @@ class PreciseFleetIndex:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.index = EventBlockIndex()
-        self.sink = IndexSink(self.index)
+        self.sink = IndexSink(self.index, slice_hashes=sys.maxsize)  # no event loop to yield to
         self.batches = 0
 
     def recorder(self, replica: ReplicaId) -> KvEventRecorder:

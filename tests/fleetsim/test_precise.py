@@ -11,12 +11,15 @@ import pytest
 
 from gateway.cli import main
 from gateway.sglang_pages import page_hashes
-from loadtest.fleetsim.precise import SglangPages
+from loadtest.fleetsim.precise import PreciseFleetIndex, SglangPages
 from loadtest.fleetsim.prompts import SessionPrompt
 from loadtest.fleetsim.run import FleetRun, SimConfig
+from loadtest.fleetsim.sync import finished
 from loadtest.simulate_cmd import load_workload
 from loadtest.simulator.profile import load_profile
 from prefix_index.base import ReplicaId
+from replicas.kv_events import BlockStored, EventBatch, PublisherEndpoint
+from replicas.kv_subscriber import APPLY_SLICE_HASHES
 from tests.fleetsim.support import write_claude_traces, write_mooncake_trace
 
 
@@ -92,3 +95,16 @@ def test_cli_index_modes(tmp_path: Path) -> None:
     assert rows[1]["cache_hit_rate"] >= rows[0]["cache_hit_rate"] - 0.02
     with pytest.raises(SystemExit):
         main(["simulate", "--trace", str(trace), "--profile", "tiny", "--index", "exact"])
+
+
+
+def test_a_batch_larger_than_the_gateways_apply_slice_applies_whole() -> None:
+    """The gateway applies a batch in slices, yielding to its loop between them; the
+    simulation has no loop, so its sink applies any batch at once (it raised WouldWait on
+    the first batch over the slice: every precise simulation of long sessions)."""
+    idx = PreciseFleetIndex(page_size=4)
+    endpoint = PublisherEndpoint(replica="http://a", dp_rank=0, endpoint="inproc://a", bind=False, topic=b"",
+                                 block_size=4)
+    hashes = tuple(range(1, 3 * APPLY_SLICE_HASHES))
+    finished(idx.sink.apply(endpoint, EventBatch(0, 0.0, 0, (BlockStored(hashes, None, (), 4),))))
+    assert idx.matches(list(hashes), [ReplicaId("http://a")])[ReplicaId("http://a")].device_blocks == 4 * len(hashes)  # in tokens

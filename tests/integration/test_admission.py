@@ -36,7 +36,7 @@ SAME_STEP_S = 0.05  # first tokens of one prefill step, as the client sees them
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 
 
-def _prompt(seed: int, words: int) -> str:
+def prompt(seed: int, words: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
@@ -77,12 +77,12 @@ async def _race(gw: Gateway, replica: str, seed: int) -> list[tuple[str, float]]
             return await at_replica() + await held() >= n
 
         try:
-            a = asyncio.create_task(_first_token(oa, "A", _prompt(seed, 2_400), order))
+            a = asyncio.create_task(_first_token(oa, "A", prompt(seed, 2_400), order))
             await _until("A at the replica", lambda: waiting(1))
-            b = asyncio.create_task(_first_token(oa, "B", _prompt(seed + 1, 2_400), order))
+            b = asyncio.create_task(_first_token(oa, "B", prompt(seed + 1, 2_400), order))
             await _until("B queued at the replica or held by the gateway", lambda: waiting(2))
             assert order == [], "A's prefill ended before C was sent: the race did not happen"
-            c = asyncio.create_task(_first_token(oa, "C", _prompt(seed + 2, 40), order))
+            c = asyncio.create_task(_first_token(oa, "C", prompt(seed + 2, 40), order))
             await asyncio.wait_for(asyncio.gather(a, b, c), 60)
         finally:
             await oa.close()

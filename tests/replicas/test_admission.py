@@ -136,3 +136,63 @@ def test_clients_leaving_while_held_do_not_grow_the_queue() -> None:
         q.done(q.offer(A, 10, float(i)))
     assert q.held(A) == 1 and len(q._replicas[A].held) <= 2 * 1 + 64 + 1
     assert q.held_sizes(A) == (keep.tokens,)
+
+
+def test_bypass_is_bounded_by_the_factor_times_the_first_come_first_served_wait() -> None:
+    """Issue 41's attack: small requests arriving after a large one overtake it only until
+    they add up to bypass_factor x what it would wait for first come, first served (the
+    prefill ahead of it when it arrived, plus its own); then it goes next (oldest first)."""
+    released: list[Ticket] = []
+    q = PrefillQueue(100, 1e9, released.append, bypass_factor=1.0)
+    first = q.offer(A, 8_000, 0.0)
+    victim = q.offer(A, 30_000, 1.0)
+    assert victim.allowance == 38_000  # the 8k released ahead of it, and its own 30k
+    attackers = [q.offer(A, 8_000, 2.0 + i) for i in range(6)]
+    running = first
+    while victim.state is TicketState.HELD:
+        q.started(running)
+        running = released[-1]
+    overtook = [t for t in released if t is not victim]
+    assert len(overtook) == 4 and sum(t.tokens for t in overtook) <= victim.allowance  # a 5th would pass it
+    assert victim.released_by == "fairness" and all(t.released_by == "budget" for t in overtook)
+    assert released.index(victim) == 4 and attackers[4].state is TicketState.HELD
+
+
+def test_factor_zero_is_first_come_first_served() -> None:
+    released: list[Ticket] = []
+    q = PrefillQueue(100, 1e9, released.append, bypass_factor=0.0)
+    running = q.offer(A, 500, 0.0)
+    held = [q.offer(A, n, 0.1 * i) for i, n in enumerate((3000, 20, 700, 20))]
+    for _ in held:
+        q.started(running)
+        running = released[-1]
+    assert released == held
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20_000), st.booleans()), min_size=1, max_size=60),
+       st.sampled_from([0.0, 0.5, 1.0, 2.0]))
+def test_no_held_ticket_is_overtaken_by_more_than_its_bound(arrivals: list[tuple[int, bool]], factor: float) -> None:
+    """Whatever arrives and whenever prefills end, the tokens of later arrivals released
+    before a ticket never exceed its allowance: bypass_factor x (the prefill released or
+    held when it arrived + its own)."""
+    released: list[Ticket] = []
+    q = PrefillQueue(1, 1e9, released.append, bypass_factor=factor)
+    running: list[Ticket] = []
+    tickets: list[Ticket] = []
+    for now, (tokens, finish) in enumerate(arrivals):
+        t = q.offer(A, tokens, float(now))
+        tickets.append(t)
+        if t.state is TicketState.RELEASED:
+            running.append(t)
+        if finish and running:
+            q.started(running.pop(0))
+            running.extend(x for x in released if x not in running and x.state is TicketState.RELEASED)
+    while q.held(A):
+        q.started(running.pop(0))
+        running.extend(x for x in released if x not in running and x.state is TicketState.RELEASED)
+    order = {id(t): i for i, t in enumerate(released)}
+    for t in (x for x in tickets if id(x) in order):
+        overtaking = sum(x.tokens for x in tickets if x.seq > t.seq and id(x) in order
+                         and order[id(x)] < order[id(t)])
+        assert overtaking <= t.allowance
