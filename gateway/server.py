@@ -11,9 +11,10 @@ bound the first two, so a few hundred silent connections there hold every slot f
   phase) that the ASGI front and the runner share.
 - ``EdgeApp`` (ASGI front): the concurrency cap (503 in the API's shape with
   ``Retry-After``; probes are never refused), the request body deadline (408 and the
-  connection closed), the separate admin listener (``admin.port``: only ``/admin/*``
-  there, none of it on the main port), readiness false while shutting down, the end of
-  cut requests, and a 500 in the API's shape where the server would answer plain text.
+  connection closed), the separate admin listener (``admin.port``: ``/admin/*`` and the
+  probes ``/health``, ``/ready``, ``/metrics`` there, no ``/admin/*`` on the main port),
+  readiness false while shutting down, the end of cut requests, and a 500 in the API's
+  shape where the server would answer plain text.
 - ``serve``: runs the app's lifespan, one embedded Granian server per listener in this
   event loop, and the shutdown. On SIGTERM ``/ready`` turns 503 at once while the
   listeners stay open (a load balancer still sending gets answers), responses close their
@@ -21,9 +22,15 @@ bound the first two, so a few hundred silent connections there hold every slot f
   running is cut (an open SSE stream gets ``data: {"error": {... "type":
   "server_shutdown"}}`` and ``data: [DONE]``), the listeners close and the lifespan ends.
 
-At ``server.max_connections`` open connections Granian stops accepting (``backpressure``):
-a new client waits in the listen backlog until a connection ends, at the latest when an
-idle one reaches its header deadline; it is never refused for idle connections.
+At ``server.max_connections`` open connections Granian stops accepting (``backpressure``
+is a per-listener bound on accepted connections, whatever they do): a new client waits in
+the listen backlog until a connection ends, at the latest when an idle or trickling one
+reaches its header deadline; it is never refused for idle connections. Which connections
+hold the slots, Granian does not let us choose: its accept loop and HTTP/1.1 parser are in
+Rust and a connection reaches the app only once a request's headers are complete, so
+there is no public way to close unfinished connections first or to cap them per peer
+address (docs/safety.md, "Slow-header clients"). Each listener has its own slots and
+backlog, so the probes on the admin listener are never starved by client traffic.
 Counted in ``GatewayMetrics``: ``requests_rejected{reason}``, ``streams_cut_at_shutdown``.
 """
 from __future__ import annotations
@@ -66,7 +73,7 @@ class Edge:
         self.metrics: GatewayMetrics | None = None  # the app's, bound once its lifespan started
         self.requests: set[asyncio.Task[Any]] = set()  # ASGI request tasks in progress
         self.active = 0  # of which counted by the concurrency cap
-        self.admin_port: int | None = None  # bound port of the admin-only listener
+        self.admin_port: int | None = None  # bound port of the admin listener (admin API, probes)
         self.draining = False  # SIGTERM: /ready 503, responses close their connection
         self.closing = False  # grace over: a request still arriving gets 503
         self.cutting = False  # grace over: requests in progress are being cut
@@ -128,7 +135,8 @@ class EdgeApp:
         if edge.admin_port is not None:
             port = (scope.get("server") or ("", None))[1]
             on_admin = port is not None and int(port) == edge.admin_port  # (Granian: a str, ASGI: an int)
-            if on_admin != (path == "/admin" or path.startswith("/admin/")):
+            admin_path = path == "/admin" or path.startswith("/admin/")
+            if admin_path != on_admin and not (on_admin and path in PROBE_PATHS):
                 return 404, edge_error(path, 404, f"no route {scope['method']} {path}", "invalid_request_error",
                                         "not_found"), False
         if edge.draining and path == "/ready":

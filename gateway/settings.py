@@ -103,7 +103,8 @@ class AdminConfig(BaseModel):
     host: str | None = Field(default=None, description="address of the admin listener (None: the main host)")
     port: int | None = Field(
         default=None, ge=0, le=65535, description="None: /admin/* on the main listener; a port: a separate "
-        "listener serving only /admin/* (and the main port none of it)")
+        "listener serving /admin/* and the probes /health, /ready, /metrics (its own connection slots: "
+        "client traffic never starves them), and the main port no /admin/*")
 
 
 class Settings(BaseSettings):

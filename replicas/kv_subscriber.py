@@ -26,7 +26,7 @@ Per message (``replicas.kv_events``):
                              its batches before this one replayed as for a gap; apply
     the last seq again    -> ignored (a duplicate)
     undecodable           -> counted in ``decode_errors``, skipped (any malformed value:
-                             ``decode_batch`` raises nothing but ``KvEventError``); its seq
+                             the decoder raises nothing but ``KvEventError``); its seq
                              is then missing, a gap at the next batch
     connection dropped    -> ``StreamDropped``: not live, rejoined by ``supervise()``
 
@@ -35,7 +35,8 @@ in size (``ZMQ_MAXMSGSIZE``) and in number queued (``ZMQ_RCVHWM``); ``supervise(
 ``run()`` again, with capped exponential backoff, after it stopped for any reason, clearing
 ``live`` at once so the replica is routed approximately meanwhile (a frozen index never
 passes for a precise one); and ``IndexSink`` applies a batch in slices, yielding to the event
-loop between them, so requests keep being served whatever the event rate.
+loop between them, and decoding and applying together take at most ``EVENT_LOOP_SHARE`` of
+the loop's time (``LoopShare``), so requests keep being served whatever the event rate.
 
 A publisher with a wildcard host binds and we connect; with a concrete host it connects
 and we bind (``PublisherEndpoint.bind``).
@@ -44,7 +45,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
 from typing import Protocol
 
 import zmq
@@ -63,11 +65,12 @@ from replicas.kv_events import (
     PublisherEndpoint,
     SeqStatus,
     SequenceTracker,
-    decode_batch,
-    decode_message,
     decode_seq,
+    decode_steps,
     encode_batch,
+    message_steps,
 )
+from replicas.loop_share import LoopShare
 
 log = logging.getLogger("replicas.kv_events")
 BIND_RETRY_S = 5.0
@@ -103,10 +106,11 @@ class KvEventSubscriber:
                  on_live: Callable[[], None] | None = None, on_stopped: Callable[[str], None] | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, receive_hwm: int = RECEIVE_HWM_MESSAGES,
                  restart_backoff_min_s: float = RESTART_BACKOFF_MIN_S,
-                 restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S) -> None:
+                 restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S, loop_share: LoopShare | None = None) -> None:
         """``on_incident(outcome)`` is told of "gap", "healed", "lost", "restart", "decode_error";
         ``on_live()`` once the stream is live (connected and synced); ``on_stopped(reason)`` when
-        ``run()`` stopped under ``supervise()`` (after ``live`` was cleared, before the restart)."""
+        ``run()`` stopped under ``supervise()`` (after ``live`` was cleared, before the restart);
+        ``loop_share``: bounds the loop time its decoding takes (default: one of its own)."""
         self.endpoint = endpoint
         self.on_incident = on_incident
         self.on_live = on_live
@@ -116,6 +120,7 @@ class KvEventSubscriber:
         self.restart_backoff_min_s = restart_backoff_min_s
         self.restart_backoff_max_s = max(restart_backoff_max_s, restart_backoff_min_s)
         self.restarts = 0
+        self.loop_share = loop_share or LoopShare()
         self.live = asyncio.Event()
         self.synced = 0  # batches applied from the replay buffer on joining
         self.sink = sink
@@ -246,11 +251,24 @@ class KvEventSubscriber:
             if sock in ready:
                 frames = await sock.recv_multipart()
                 try:
-                    batch = decode_message(frames)
+                    batch = await self.decoded(message_steps(frames, token_ids=False))
                 except KvEventError as exc:
                     self._decode_error(exc)
                     continue
                 await self.handle(batch)
+
+    async def decoded(self, steps: Generator[None, None, EventBatch]) -> EventBatch:
+        """Run a decoder (``replicas.kv_events.decode_steps``) to its batch, resting between its
+        chunks (``loop_share``): a 200,000-hash batch decoded at once held the loop ~10-20 ms."""
+        started = time.perf_counter()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                batch: EventBatch = done.value
+                return batch
+            await self.loop_share.rest(time.perf_counter() - started)
+            started = time.perf_counter()
 
     async def _joined(self, monitor: zmq.asyncio.Socket) -> None:
         """Until the ZMTP handshake with the publisher succeeded (before it, nothing arrives)."""
@@ -347,7 +365,7 @@ class KvEventSubscriber:
                         break
                     if start <= seq < stop:
                         try:
-                            out.append(decode_batch(seq, frames[3]))
+                            out.append(await self.decoded(decode_steps(seq, frames[3], token_ids=False)))
                         except KvEventError as exc:  # that batch only: it is then missing (a loss)
                             self._decode_error(exc)
         except (TimeoutError, KvEventError, zmq.ZMQError) as exc:
@@ -360,43 +378,50 @@ class KvEventSubscriber:
 class IndexSink:
     """Applies a replica's events to the precise index (``prefix_index.precise``)."""
 
-    def __init__(self, index: EventBlockIndex, slice_hashes: int = APPLY_SLICE_HASHES) -> None:
-        """``slice_hashes``: page hashes applied before yielding to the event loop."""
+    def __init__(self, index: EventBlockIndex, slice_hashes: int = APPLY_SLICE_HASHES,
+                 loop_share: LoopShare | None = None) -> None:
+        """``slice_hashes``: page hashes applied before yielding to the event loop;
+        ``loop_share``: the bound on the loop time slices take, over every stream this sink applies."""
         self.index = index
         self.events = 0
         self.slice_hashes = max(slice_hashes, 1)
+        self.loop_share = loop_share or LoopShare()
 
     async def apply(self, endpoint: PublisherEndpoint, batch: EventBatch) -> None:
-        """In slices of ``slice_hashes`` hashes with an ``asyncio.sleep(0)`` between them: a
-        batch of 200k hashes applied at once blocked every request for as long (issue 41).
-        A lookup between two slices sees the batch partly applied, as if it had come later."""
+        """In slices of ``slice_hashes`` hashes, resting between them (``LoopShare``): a batch of
+        200k hashes applied at once blocked every request for as long (issue 41). A lookup
+        between two slices sees the batch partly applied, as if it had come later."""
         replica = ReplicaId(endpoint.replica)
-        budget = self.slice_hashes
+        budget, started = self.slice_hashes, time.perf_counter()
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
                 self.index.cleared(replica)
                 budget -= 1
             else:
-                budget = await self._apply_hashes(replica, event, budget)
+                budget, started = await self._apply_hashes(replica, event, budget, started)
             if budget <= 0:
-                await asyncio.sleep(0)
-                budget = self.slice_hashes
+                budget, started = await self._between_slices(started)
         self.events += len(batch.events)
 
-    async def _apply_hashes(self, replica: ReplicaId, event: BlockStored | BlockRemoved, budget: int) -> int:
-        """One stored/removed event, its hashes in slices; the budget left of the current slice."""
+    async def _between_slices(self, started: float) -> tuple[int, float]:
+        """The loop's turn after a slice begun at ``started``; the next slice's budget and start."""
+        await self.loop_share.rest(time.perf_counter() - started)
+        return self.slice_hashes, time.perf_counter()
+
+    async def _apply_hashes(self, replica: ReplicaId, event: BlockStored | BlockRemoved, budget: int,
+                            started: float) -> tuple[int, float]:
+        """One stored/removed event, its hashes in slices; the budget left of the current slice, and its start."""
         hashes = event.block_hashes
         apply = self.index.stored if isinstance(event, BlockStored) else self.index.removed
         i = 0
         while i < len(hashes):
             if budget <= 0:
-                await asyncio.sleep(0)
-                budget = self.slice_hashes
+                budget, started = await self._between_slices(started)
             part = hashes[i:i + budget]
             apply(replica, part, event.medium)
             i += len(part)
             budget -= len(part)
-        return budget - (0 if hashes else 1)
+        return budget - (0 if hashes else 1), started
 
     async def lost(self, endpoint: PublisherEndpoint, first_missing: int, next_seen: int) -> None:
         self.index.uncertain.add(ReplicaId(endpoint.replica))

@@ -133,5 +133,5 @@ def test_separate_admin_port(fleet: SimFleet, tmp_path: Path) -> None:
         gw.proc.stop()
     assert on_main.status_code == 404 and on_main.json()["error"]["code"] == "not_found"
     assert on_admin.status_code == 200 and on_admin.json()["data"][0]["url"] == fleet.urls[0]
-    assert health_on_admin.status_code == 404
+    assert health_on_admin.status_code == 200  # the probes are on the admin listener too (issue 41)
     assert ready_on_main.status_code == 200
