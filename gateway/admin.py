@@ -44,6 +44,7 @@ from pydantic import BaseModel, Field, SecretStr
 from starlette.responses import Response
 
 from gateway.errors import Forbidden, GatewayError, InvalidRequest, NotFound, Unauthorized
+from gateway.kv_wiring import PreciseMode
 from gateway.metrics import GatewayMetrics
 from gateway.relay import json_response
 from gateway.scaling import ScaleLoop, report_json
@@ -61,6 +62,7 @@ class AdminGateway(Protocol):
     registry: Registry
     scaling: ScaleLoop
     metrics: GatewayMetrics
+    precise: PreciseMode | None
 
 log = logging.getLogger("kvgate.admin")
 
@@ -177,7 +179,11 @@ def _known(gateway: AdminGateway, url: str) -> ReplicaView:
 async def list_replicas(request: Request) -> Response:
     gateway = _gateway(request)
     now_s = registry_now(gateway)
-    return json_response({"object": "list", "data": [view_json(v, now_s) for v in gateway.registry.views()]})
+    precise = gateway.precise
+    data = [view_json(v, now_s) for v in gateway.registry.views()]
+    for item in data:  # precise mode per replica (issue 42): its state, or why it is approximate
+        item["precise"] = precise.replica_status(ReplicaId(item["url"])) if precise is not None else None
+    return json_response({"object": "list", "data": data})
 
 
 @router.post("/replicas")

@@ -10,15 +10,20 @@ calls it; ``None`` when ``index.mode == "approximate"``) returns a ``PreciseMode
   ``/server_info`` changed identity (``startup_time``: it restarted) has its entries
   dropped; a stream gap that could not be replayed marks the replica *uncertain* (it is
   then routed approximately until an ``AllBlocksCleared`` or a restart rebuilds it);
-- answers ``lookup(ctx, replica_ids)`` on the request path (``gateway.router``): the
+- answers ``await lookup(ctx, replica_ids)`` on the request path (``gateway.router``): the
   request's token ids (``gateway.precise_tokens``: the model's tokenizer and chat
-  template) hashed as SGLang hashes pages, matched against the event index, per replica in
-  tokens (``to_prefix_match(..., block_tokens=1)``), only for replicas in precise mode.
+  template) hashed as SGLang hashes pages, in ``gateway.precise_pool``'s worker threads
+  (bounded queue, per-request deadline: past them the request is routed approximately),
+  then matched against the event index on the loop, per replica in tokens
+  (``to_prefix_match(..., block_tokens=1)``), only for replicas in precise mode.
 
 Nothing here blocks the request path on the network: discovery and subscribers are
 background tasks owned by this object, cancelled by ``close()``. A replica is in precise
 mode once a tokenizer for it loaded (its ``model_path`` when it is a local directory, else
-``index.tokenizer_dir``) and its streams are *live* (``KvEventSubscriber.live``: connected
+``index.tokenizer_dir``; ``gateway.precise_formats``: a directory precise mode cannot
+reproduce exactly stays approximate, its reason logged, counted in
+``kvgate_precise_unreproducible_replicas{reason}`` and shown by ``/admin/replicas``) and
+its streams are *live* (``KvEventSubscriber.live``: connected
 to every DP rank's publisher and synced from its replay buffer when it has one); until
 then it is routed approximately, so a publisher the gateway cannot reach, or the moments
 before it connects, never pass for an empty cache.
@@ -32,14 +37,14 @@ import socket
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import zmq.asyncio
 
 from gateway.metrics import GatewayMetrics
-from gateway.precise_tokens import ModelTokenizer, SessionHasher, TemplateError
+from gateway.precise_formats import REASONS
+from gateway.precise_models import PreciseModels
 from gateway.sglang_pages import uses_bigrams
 from policies.base import RequestContext
 from prefix_index.base import PrefixMatch, ReplicaId
@@ -58,7 +63,7 @@ from replicas.model import ReplicaState, ReplicaView
 
 log = logging.getLogger("kvgate.precise")
 INFO_TIMEOUT_S = 5.0
-ENDPOINTS = frozenset({"chat", "completions", "generate", "messages"})
+ENDPOINTS = frozenset({"chat", "completions", "generate", "messages", "responses"})
 
 InfoFetcher = Callable[[str], Awaitable[Mapping[str, Any] | None]]
 
@@ -138,8 +143,7 @@ class PreciseMode:
         self.replay_timeout_s = replay_timeout_s
         self.context = zmq.asyncio.Context()
         self._replicas: dict[ReplicaId, _Replica] = {}
-        self._tokenizers: dict[str, ModelTokenizer] = {}
-        self._hashers: dict[tuple[str, int, bool], SessionHasher] = {}
+        self.models = PreciseModels(config, metrics)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generation: dict[ReplicaId, int] = {}
 
@@ -171,6 +175,8 @@ class PreciseMode:
             self.metrics.precise_replicas.labels("precise").set(precise)
             self.metrics.precise_replicas.labels("uncertain").set(uncertain)
             self.metrics.precise_replicas.labels("joining").set(len(self._replicas) - uncertain - precise)
+            for reason in REASONS:
+                self.metrics.precise_unreproducible.labels(reason).set(self.models.unreproducible(reason))
 
     # ---------------------------------------------------------------- registry listener
     def on_added(self, view: ReplicaView) -> None:
@@ -183,6 +189,7 @@ class PreciseMode:
     def on_removed(self, replica_id: ReplicaId) -> None:
         self._generation[replica_id] = self._generation.get(replica_id, 0) + 1
         self._stop(replica_id)
+        self.models.forget(replica_id)
         self.index.drop(replica_id)
         self._gauges()
 
@@ -207,8 +214,8 @@ class PreciseMode:
             return True
         self._stop(replica)
         self.index.cleared(replica)  # a new server (or new endpoints): what we knew is stale
-        model_dir = self._model_dir(info)
-        if not endpoints or model_dir is None:
+        model_dir = self.models.model_dir(replica, info) if endpoints else None
+        if model_dir is None:
             self._gauges()
             return False
         page = endpoints[0].block_size or int(info.get("page_size") or 1)
@@ -315,19 +322,14 @@ class PreciseMode:
         elif entry.kind == "restart":
             await self.sink.restarted(ep)
 
-    def _model_dir(self, info: Mapping[str, Any]) -> str | None:
-        for candidate in (info.get("tokenizer_path"), info.get("model_path"), self.config.tokenizer_dir):
-            if isinstance(candidate, str) and (Path(candidate) / "tokenizer.json").is_file():
-                if candidate not in self._tokenizers:
-                    try:
-                        self._tokenizers[candidate] = ModelTokenizer.from_dir(candidate)
-                    except Exception as exc:  # noqa: BLE001 - any unusable tokenizer: approximate
-                        log.warning("precise mode: tokenizer in %s unusable: %s", candidate, exc)
-                        continue
-                return candidate
-        log.warning("precise mode: no local tokenizer (model_path %r, index.tokenizer_dir %r): approximate",
-                    info.get("model_path"), self.config.tokenizer_dir)
-        return None
+    def replica_status(self, replica: ReplicaId) -> dict[str, Any]:
+        """Precise mode as ``/admin/replicas`` shows it for one replica."""
+        state = self._replicas.get(replica)
+        if state is not None:
+            mode = ("uncertain" if replica in self.index.uncertain else "precise" if state.live else "joining")
+            return {"mode": mode, "model_dir": state.model_dir, "tokenizer": self.models.kind(state.model_dir),
+                    "page_size": state.page_size}
+        return self.models.approximate_status(replica)
 
     def _stop(self, replica: ReplicaId) -> None:
         state = self._replicas.pop(replica, None)
@@ -344,8 +346,10 @@ class PreciseMode:
                 "healed": sum(s.healed for s in subs), "decode_errors": sum(s.decode_errors for s in subs)}
 
     # ---------------------------------------------------------------- request path
-    def lookup(self, ctx: RequestContext, replicas: Sequence[ReplicaId]) -> PreciseAnswer | None:
-        """Exact matches in tokens for the replicas in precise mode (None: none, or not tokenizable)."""
+    async def lookup(self, ctx: RequestContext, replicas: Sequence[ReplicaId]) -> PreciseAnswer | None:
+        """Exact matches in tokens for the replicas in precise mode (None: none, or not
+        tokenizable now: then the request is routed approximately). The prompt is tokenized
+        and hashed in the pool; only the match runs on the loop."""
         if ctx.payload is None or ctx.endpoint not in ENDPOINTS:
             return None
         groups: dict[tuple[str, int, bool], list[ReplicaId]] = {}
@@ -358,19 +362,11 @@ class PreciseMode:
         matches: dict[ReplicaId, PrefixMatch] = {}
         tokens = 0
         for key, members in groups.items():
-            try:
-                segments = self._tokenizers[key[0]].prompt_segments(ctx.endpoint, ctx.payload)
-            except (TemplateError, TypeError, ValueError) as exc:
-                log.debug("precise mode: request %s not tokenizable: %s", ctx.request_id, exc)
+            prompt = await self.models.hashes(ctx, *key)
+            if prompt is None:
                 return None
-            if segments is None:
-                return None
-            hasher = self._hashers.get(key)
-            if hasher is None:
-                hasher = self._hashers[key] = SessionHasher(key[1], key[2])
-            prompt = hasher.hash(segments, ctx.session.session)
             tokens = prompt.tokens
-            for r, m in self.index.match(prompt.hashes, members).items():
+            for r, m in self.index.match(prompt.hashes, [m for m in members if m in self._replicas]).items():
                 matches[r] = to_prefix_match(m.device_blocks, m.host_blocks, prompt.page_size)
         return PreciseAnswer(tokens, matches)
 
@@ -380,6 +376,7 @@ class PreciseMode:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._replicas.clear()
+        self.models.close()
         if self.lease is not None:
             await self.lease.close()
         self.context.destroy(linger=0)

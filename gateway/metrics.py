@@ -31,6 +31,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from prefix_index.base import IndexStats, ReplicaId
+from replicas.admission import RELEASES
 from replicas.model import ReplicaState, ReplicaView
 from replicas.outlier import REASONS as EJECTION_REASONS
 from replicas.scale import ScaleAdvice
@@ -161,13 +162,29 @@ class GatewayMetrics:
         self.precise_replicas = Gauge("kvgate_precise_replicas",
                                       "Replicas with KV events, by state (precise; uncertain: a batch lost; joining: streams not live yet)",
                                       ["state"], registry=r)
+        # precise mode's tokenizer (issue 42): model dirs it cannot reproduce, and the worker pool
+        self.precise_unreproducible = Gauge(
+            "kvgate_precise_unreproducible_replicas",
+            "Replicas with KV events routed approximately because precise mode cannot reproduce their "
+            "tokenization exactly, by reason (gateway/precise_formats.py REASONS)", ["reason"], registry=r)
+        self.precise_tokenize = Counter(
+            "kvgate_precise_tokenize", "Precise-mode prompt tokenizations by outcome (ok; deadline, queue_full: "
+            "the pool's bounds, routed approximately; not_reproducible: this prompt cannot be reproduced exactly)",
+            ["outcome"], registry=r)
+        self.precise_tokenize_seconds = Histogram(
+            "kvgate_precise_tokenize_seconds", "Wait for a precise-mode prompt's page hashes (queue + work in "
+            "the tokenizer pool), per request", registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
         self.admission_held = Gauge("kvgate_admission_held",
                                     "Streaming requests admission holds for the replica (gateway/admission.py)",
                                     ["replica"], registry=r)
         self.admission_wait = Histogram(
             "kvgate_admission_wait_seconds", "How long held requests waited, by how they were released "
-            "(budget: a prefill ahead ended; age: max_wait_s; flush: the replica left routing)",
+            "(budget: a prefill ahead ended, smallest first; fairness: the bypass bound, oldest first; "
+            "age: max_wait_s; flush: the replica left routing)",
             ["released_by"], buckets=TTFT_BUCKETS_S, registry=r)
+        for released_by in RELEASES:
+            self.admission_wait.labels(released_by)
         self._prediction_errors = {mode: self.prediction_error.labels(mode) for mode in ("precise", "approximate")}
         self._hits: deque[tuple[int, int]] = deque(maxlen=HIT_RATIO_WINDOW)
         self._hit_sums = [0, 0]  # cached, prompt over the window

@@ -1,23 +1,29 @@
-"""Precise mode's request token ids and SGLang page hashes, with CPU bounded per turn.
+"""Precise mode's request token ids and SGLang page hashes, in a worker thread.
 
 The page hashes a replica publishes in its KV events are over *its* token ids, so the
-gateway reproduces the engine's tokenization: the model's ``tokenizer.json``
-(``tokenizers``) and the chat template of its ``tokenizer_config.json`` (jinja2, as
-``transformers.apply_chat_template`` renders it, ``add_generation_prompt=True``), from
-the replica's ``model_path`` when it is a local directory or ``index.tokenizer_dir``.
+gateway reproduces the engine's tokenization: the model's tokenizer in either form
+(``gateway.precise_formats``: ``tokenizer.json``, or Kimi's TikToken ranks) and its chat
+template (jinja2, as ``transformers.apply_chat_template`` renders it,
+``add_generation_prompt=True``) over the messages and tools SGLang hands it
+(``gateway.precise_chat``: chat, Anthropic Messages and Responses bodies, tools and tool
+calls included), from the replica's ``model_path`` when it is a local directory or
+``index.tokenizer_dir``.
 
-- chat: render the template, then tokenize without the post-processor's specials
-  (``apply_chat_template(tokenize=True)`` does ``add_special_tokens=False``);
-- completions / generate with text: tokenize with the post-processor (a BOS if the model
-  adds one), as SGLang's tokenizer manager does; token id prompts are taken as sent.
+- chat, messages, responses: render the template, then encode as the engine encodes a
+  rendered prompt (no specials added);
+- completions / generate with text: encode as the engine encodes a text prompt (a
+  ``tokenizer.json`` post-processor's BOS, if the model adds one); token id prompts are
+  taken as sent.
 
-Cost bound. Tokenizing a 400 KB conversation every turn would cost tens of ms, so:
+Cost. This runs in ``gateway.precise_pool``'s worker threads (the tokenizers release the
+GIL), never on the event loop; the caches below are shared by the workers under a lock.
 
-1. *Segments.* The rendered text is split at the tokenizer's added tokens (``<|im_start|>``
-   ...), exactly where the tokenizer itself splits before pre-tokenizing, so the pieces
-   tokenize independently to the same ids. Each piece's ids are cached by content
-   (``xxh3_128``): a later turn only tokenizes its new messages. A tokenizer whose added
-   tokens strip spaces or match normalized text is tokenized whole (no segment cache).
+1. *Segments.* The rendered text is cut where the engine cuts it (Kimi: 400,000-character
+   slices, long runs) and split at the tokenizer's special / added tokens, exactly where
+   the tokenizer itself splits before pre-tokenizing, so the pieces encode independently
+   to the same ids. Each piece's ids are cached by content (``xxh3_128``): a later turn
+   only encodes its new messages. A tokenizer whose added tokens strip spaces or match
+   normalized text is encoded whole (no segment cache).
 2. *Per-session chains.* Per session key, the last turn's segment keys, token ids and
    page hashes (with a digest checkpoint every ``CHECKPOINT_PAGES`` pages) are kept; a
    turn reuses the hashes of its common segment prefix and hashes only the rest.
@@ -26,8 +32,11 @@ Both caches are bounded LRUs (tokens, pages). Measured: ``kvgate bench hashing -
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,28 +48,23 @@ import jinja2
 import jinja2.ext
 import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
 
-from gateway import word_tokens
+from gateway import precise_chat
+from gateway.precise_chat import ChatRequest, NotReproducible
+from gateway.precise_formats import Loaded, TokenizerForm, Unreproducible, load_form
 from gateway.sglang_pages import PageHasher
 
 CHECKPOINT_PAGES = 64
+YIELD_PAGES = 256  # hashing yields the GIL this often (~0.3 ms of work), see sglang_pages.PageHasher
+HASH_CHUNK_TOKENS = 8192  # tokens converted and hashed at a time (then the GIL is yielded)
 SEGMENT_CACHE_TOKENS = 2_000_000
 SESSION_CACHE_PAGES = 2_000_000
 SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
-# ~16k tokens, ~30 ms of a BPE tokenizer on this class of CPU: a conversation new to the
-# gateway (400 KB) is tokenized over a few turns instead of stalling the loop ~0.2 s once
-UNCACHED_CHARS_PER_REQUEST = 64 * 1024
+INLINE_SYSTEM_SENTINEL = "__kvgate_inline_system_sentinel__"
 
 
-class TemplateError(ValueError):
+class TemplateError(NotReproducible):
     """The chat template could not render this request (it is then routed approximately)."""
-
-
-class OverBudget(TemplateError):
-    """Tokenizing what is not cached yet would exceed the per-request budget: the pieces
-    within it were tokenized and cached, the request is routed approximately, and a later
-    turn of the conversation continues from the cache."""
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -69,7 +73,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 def _raise(message: str) -> None:
-    raise TemplateError(message)
+    raise jinja2.TemplateError(message)
 
 
 def _token_text(value: object) -> str | None:
@@ -78,225 +82,188 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def compile_template(template: str) -> jinja2.Template:
+    """The template in transformers' environment (sandboxed, trim/lstrip blocks, loop controls,
+    its ``tojson``, ``raise_exception``, ``strftime_now``)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _alternation(tokens: Sequence[str]) -> str:
+    """A regex matching any of ``tokens`` (a prefix-free set), grouped by their first two
+    characters: ``re`` then tries only the few tokens sharing a text's two characters (one
+    alternation of 258 tokens costs ~6 ms over 400 KB of code, the grouped one ~1.5 ms:
+    time in one C call, the GIL held)."""
+    groups: dict[str, list[str]] = {}
+    for token in tokens:
+        groups.setdefault(token[:2], []).append(token[2:])
+    return "|".join(re.escape(head) + "(?:" + "|".join(re.escape(t) for t in sorted(tails, key=len, reverse=True))
+                    + ")" for head, tails in groups.items())
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     key: bytes  # xxh3_128 of the text (or of the ids, for token prompts)
     ids: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class _Encoding:
-    ids: list[int]
-
-
-class WordTokenizer:
-    """The simulated replica's ids (``gateway.word_tokens``) behind the part of the
-    ``tokenizers.Tokenizer`` interface used here. Its ids depend on each byte's offset
-    modulo 4, so it has no added tokens to split at: a prompt is one segment (encoding
-    400 KB is one numpy pass, well under a millisecond)."""
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
-        return _Encoding(word_tokens.encode(text).tolist())
-
-    def get_added_tokens_decoder(self) -> dict[int, Any]:
-        return {}
-
-
 class ModelTokenizer:
-    """One model's tokenizer and chat template, with the content cache of segments."""
+    """One model's tokenizer and chat template, with the content cache of segments (thread-safe)."""
 
-    def __init__(self, tokenizer: Tokenizer | WordTokenizer, config: Mapping[str, Any], *,
-                 cache_tokens: int = SEGMENT_CACHE_TOKENS) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, loaded: Loaded, *, cache_tokens: int = SEGMENT_CACHE_TOKENS) -> None:
+        self.form: TokenizerForm = loaded.form
+        config = loaded.config
         self.specials = {k: v for k in SPECIAL_NAMES if (v := _token_text(config.get(k))) is not None}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.template = env.from_string(template) if isinstance(template, str) else None
-        added = tokenizer.get_added_tokens_decoder()
-        simple = all(not (t.lstrip or t.rstrip or t.single_word or (t.normalized and not t.special))
-                     for t in added.values())
-        self._added = {t.content: i for i, t in added.items()}
-        self._split = (re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True))
-                                  + ")") if simple and self._added else None)
+        self.template: jinja2.Template | None = None
+        self.content_format = "string"
+        self.inline_system = False
+        if loaded.template is not None:
+            try:
+                self.template = compile_template(loaded.template)
+                self._render([{"role": "user", "content": "hi"}], None, {})
+            except (jinja2.TemplateError, NotReproducible, TypeError, ValueError) as exc:
+                raise Unreproducible("template_error", f"{exc}") from exc
+            self.content_format = precise_chat.content_format(loaded.template)
+            self.inline_system = self._renders_inline_system()
+        split = self.form.split_tokens()
+        names = sorted(split, key=len, reverse=True)
+        prefix_free = not any(a != b and b.startswith(a) for a in names for b in names)
+        self._added = dict(split)
+        self._split = re.compile(f"({_alternation(names)})") if names and prefix_free else None
         self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._cache_tokens = 0
+        self._lock = threading.Lock()
         self.cache_limit = cache_tokens
-        # Bound on the event loop's time per request: characters of not-yet-cached text
-        # tokenized per request (at least one piece); beyond it, OverBudget.
-        self.budget_chars = UNCACHED_CHARS_PER_REQUEST
-        self._spent = 0
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> ModelTokenizer:
-        """From a model directory (``tokenizer.json``, ``tokenizer_config.json``); OSError/ValueError if unusable.
-
-        A ``tokenizer_config.json`` naming the simulated replica's scheme
-        (``gateway.word_tokens``) gets that scheme instead of ``tokenizer.json``."""
-        root = Path(directory)
-        config_path = root / "tokenizer_config.json"
-        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
-        tokenizer: Tokenizer | WordTokenizer
-        if config.get(word_tokens.TOKENIZER_KEY) == word_tokens.TOKENIZER_KIND:
-            tokenizer = WordTokenizer()
-        else:
-            tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
-        template_file = root / "chat_template.jinja"
-        if "chat_template" not in config and template_file.exists():
-            config["chat_template"] = template_file.read_text()
-        return cls(tokenizer, config)
+        """From a model directory (``precise_formats.load_form``); ``Unreproducible`` if it cannot be exact."""
+        return cls(load_form(directory))
 
     # ------------------------------------------------------------------ rendering
-    def render_chat(self, payload: Mapping[str, Any]) -> str:
-        """The chat prompt text SGLang renders for this request body."""
+    def _renders_inline_system(self) -> bool:
+        """Whether a system message after the first turn renders where it is (SGLang's probe;
+        Responses bodies keep their system messages in place then, else merge them first)."""
+        try:
+            text = self._render([{"role": "system", "content": "t"}, {"role": "user", "content": "t"},
+                                 {"role": "system", "content": INLINE_SYSTEM_SENTINEL},
+                                 {"role": "user", "content": "t"}], None, {}, generation=False)
+        except NotReproducible:
+            return False
+        return INLINE_SYSTEM_SENTINEL in text
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None, extra: Mapping[str, Any],
+                generation: bool = True) -> str:
         if self.template is None:
             raise TemplateError("the model has no chat template")
-        messages = [_template_message(m) for m in payload.get("messages") or [] if isinstance(m, dict)]
-        tools = payload.get("tools")
-        tool_list = [t.get("function", t) for t in tools if isinstance(t, dict)] if isinstance(tools, list) else None
-        kwargs = payload.get("chat_template_kwargs")
-        extra = dict(kwargs) if isinstance(kwargs, dict) else {}
         try:
-            return self.template.render(messages=messages, tools=tool_list or None, add_generation_prompt=True,
-                                        **self.specials, **extra)
+            return self.template.render(messages=messages, tools=tools, add_generation_prompt=generation,
+                                        **{**self.specials, **extra})
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             raise TemplateError(f"chat template: {type(exc).__name__}: {exc}") from exc
 
+    def render_request(self, request: ChatRequest) -> str:
+        """The prompt text SGLang renders for a chat request (tools in its dump; on a failure,
+        as SGLang retries: the tools as bare functions)."""
+        tools = precise_chat.template_tools(request, self.form.sort_tools)
+        if tools and not self.form.tools_rendered:
+            raise NotReproducible("the tokenizer class declares tools itself")
+        messages = precise_chat.template_messages(request, self.content_format)
+        try:
+            return self._render(messages, tools, request.kwargs)
+        except TemplateError:
+            if not tools:
+                raise
+            return self._render(messages, [t.get("function", t) for t in tools], request.kwargs)
+
+    def render_chat(self, payload: Mapping[str, Any], endpoint: str = "chat") -> str:
+        """The chat prompt text SGLang renders for this chat / messages / responses body."""
+        if endpoint == "responses":
+            request = precise_chat.responses_to_chat(payload, self.inline_system)
+        else:
+            request = precise_chat.chat_request(endpoint, payload)
+        return self.render_request(request)
+
     # ------------------------------------------------------------------ tokenizing
-    def segments(self, text: str, *, add_special_tokens: bool = False) -> list[Segment]:
-        """The text's token ids as cached segments (one segment when it cannot be split safely)."""
-        if self._split is None or add_special_tokens:
-            return [self._segment(text, add_special_tokens)]
-        out: list[Segment] = []
-        for i, piece in enumerate(self._split.split(text)):
-            if not piece:
+    def _pieces(self, text: str) -> list[tuple[str, int | None]]:
+        """The text cut where the engine cuts it, then split at special tokens: (piece, special id)."""
+        bounds = [0, *self.form.cuts(text), len(text)]
+        out: list[tuple[str, int | None]] = []
+        for a, b in itertools.pairwise(bounds):
+            chunk = text[a:b]
+            if self._split is None:
+                out.append((chunk, None))
                 continue
-            if i % 2:  # an added token
-                out.append(Segment(piece.encode(), (self._added[piece],)))
-            else:
-                out.append(self._segment(piece, False))
+            for i, piece in enumerate(self._split.split(chunk)):
+                if piece:
+                    out.append((piece, self._added[piece] if i % 2 else None))
         return out
 
-    def _segment(self, text: str, add_special_tokens: bool) -> Segment:
-        key = xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass")) + (b"+" if add_special_tokens else b"")
-        ids = self._cache.get(key)
-        if ids is not None:
-            self._cache.move_to_end(key)
-            return Segment(key, ids)
-        if self._spent and self._spent + len(text) > self.budget_chars:
-            raise OverBudget(f"more than {self.budget_chars} characters to tokenize in one request")
-        self._spent += len(text)
-        ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-        self._cache[key] = ids
-        self._cache_tokens += len(ids)
-        while self._cache_tokens > self.cache_limit and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cache_tokens -= len(old)
-        return Segment(key, ids)
+    def segments(self, text: str, *, prompt: bool = False) -> list[Segment]:
+        """The text's token ids as cached segments (``prompt``: a text prompt, else a rendered chat)."""
+        if prompt and self.form.kind == "tokenizer.json":  # the post-processor may add specials: whole
+            key = xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass")) + b"+"
+            return [Segment(key, self._cached(key) or self._store(key, self.form.encode(text, prompt=True)))]
+        pieces = self._pieces(text)
+        keys = [piece.encode() if special is not None else xxhash.xxh3_128_digest(
+            piece.encode("utf-8", "surrogatepass")) for piece, special in pieces]
+        found: dict[int, tuple[int, ...]] = {}
+        with self._lock:
+            for i, ((_, special), key) in enumerate(zip(pieces, keys, strict=True)):
+                if special is None and (hit := self._cache.get(key)) is not None:
+                    self._cache.move_to_end(key)
+                    found[i] = hit
+        missing = [i for i, (_, special) in enumerate(pieces) if special is None and i not in found]
+        if missing:
+            encoded = self.form.encode_pieces([pieces[i][0] for i in missing], specials=self._split is None)
+            for i, new in zip(missing, encoded, strict=True):
+                found[i] = self._store(keys[i], new)
+        return [Segment(key, (special,) if special is not None else found[i])
+                for i, ((_, special), key) in enumerate(zip(pieces, keys, strict=True))]
+
+    def clear_cache(self) -> None:
+        """Forget every cached segment (benchmarks of a first turn)."""
+        with self._lock:
+            self._cache.clear()
+            self._cache_tokens = 0
+
+    def _cached(self, key: bytes) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._cache.get(key)
+            if ids is not None:
+                self._cache.move_to_end(key)
+            return ids
+
+    def _store(self, key: bytes, ids: Sequence[int]) -> tuple[int, ...]:
+        kept = tuple(ids)
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = kept
+                self._cache_tokens += len(kept)
+            while self._cache_tokens > self.cache_limit and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cache_tokens -= len(old)
+        return kept
 
     def prompt_segments(self, endpoint: str, payload: Mapping[str, Any]) -> list[Segment] | None:
         """The request's prompt as segments, or None when it is not a single prompt we can tokenize.
 
-        Raises ``OverBudget`` when more than ``budget_chars`` of it are not cached yet."""
-        self._spent = 0
-        if endpoint in ("chat", "messages"):
-            chat = payload if endpoint == "chat" else anthropic_to_chat(payload)
-            return self.segments(self.render_chat(chat)) if chat is not None else None
+        Raises ``NotReproducible`` (``TemplateError`` among them) for a prompt precise mode
+        cannot reproduce exactly."""
+        if endpoint in ("chat", "messages", "responses"):
+            return self.segments(self.render_chat(payload, endpoint))
         prompt = payload.get("prompt") if endpoint == "completions" else payload.get("input_ids", payload.get("text"))
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.segments(prompt, add_special_tokens=True)
+            return self.segments(prompt, prompt=True)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = tuple(prompt)
             return [Segment(xxhash.xxh3_128_digest(repr(ids).encode()), ids)]
         return None
-
-
-def _texts(blocks: Any) -> list[str] | None:
-    """The texts of a list of text blocks (None: some block is not text)."""
-    if not isinstance(blocks, list) or not all(isinstance(b, dict) and b.get("type") == "text" for b in blocks):
-        return None
-    return [str(b.get("text") or "") for b in blocks]
-
-
-def anthropic_to_chat(payload: Mapping[str, Any]) -> dict[str, Any] | None:
-    """An Anthropic Messages body as SGLang 0.5.23 converts it to a chat request
-    (``entrypoints/anthropic/serving.py``), for text, tool_use and text tool_result blocks;
-    None (routed approximately) for tools, images, thinking or inline system messages."""
-    if payload.get("tools") or any(isinstance(m, dict) and m.get("role") == "system"
-                                   for m in payload.get("messages") or []):
-        return None
-    system = payload.get("system")
-    system_parts = [system] if isinstance(system, str) and system.strip() else (
-        [t for t in _texts(system) or [] if t] if isinstance(system, list) else [])
-    out: list[dict[str, Any]] = [{"role": "system", "content": "\n".join(system_parts)}] if system_parts else []
-    for msg in payload.get("messages") or []:
-        role, content = msg.get("role"), msg.get("content")
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        texts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        for block in content if isinstance(content, list) else []:
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text":
-                texts.append(str(block.get("text") or ""))
-            elif kind == "tool_use":
-                calls.append({"id": block.get("id") or "", "type": "function", "function": {
-                    "name": block.get("name") or "", "arguments": json.dumps(block.get("input") or {})}})
-            elif kind == "tool_result" and role == "user":
-                result = block.get("content")
-                parts = _texts(result) if isinstance(result, list) else [str(result) if result else ""]
-                if parts is None or texts:
-                    return None  # images in a result, or text before it (SGLang splits the turn)
-                kept = [t for t in parts if t]
-                tool: Any = kept[0] if len(kept) == 1 else [{"type": "text", "text": t} for t in kept] or ""
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": tool})
-            else:
-                return None
-        message: dict[str, Any] = {"role": role}
-        if calls:
-            message["tool_calls"] = calls
-        if texts:
-            message["content"] = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
-        elif not calls:
-            if role == "user":
-                continue
-            message["content"] = ""
-        out.append(message)
-    return {"messages": out}
-
-
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A message as SGLang hands it to the template: no content is "", a tool result's text
-    parts joined by spaces, tool call arguments parsed to objects (``serving_chat.py``)."""
-    out = dict(message)
-    content = out.get("content")
-    if content is None:
-        out["content"] = ""
-    elif out.get("role") == "tool" and isinstance(content, list) and all(
-            isinstance(p, str) or (isinstance(p, dict) and p.get("type") == "text") for p in content):
-        out["content"] = " ".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content)
-    calls = out.get("tool_calls")
-    if isinstance(calls, list):
-        fixed = []
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                try:
-                    fn = {**fn, "arguments": json.loads(fn["arguments"])}
-                except ValueError:
-                    pass
-                call = {**call, "function": fn}
-            fixed.append(call)
-        out["tool_calls"] = fixed
-    return out
 
 
 @dataclass(slots=True)
@@ -324,11 +291,15 @@ class SessionHasher:
     max_pages: int = SESSION_CACHE_PAGES
     _chains: OrderedDict[str, _Chain] = field(default_factory=OrderedDict)
     _pages: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def hash(self, segments: Sequence[Segment], session: str | None) -> PromptHashes:
-        old = self._chains.pop(session, None) if session is not None else None
-        if old is not None:
-            self._pages -= len(old.hashes)
+        old = None
+        if session is not None:
+            with self._lock:
+                old = self._chains.pop(session, None)
+                if old is not None:
+                    self._pages -= len(old.hashes)
         common = 0
         if old is not None:
             for a, b in zip(old.keys, segments, strict=False):
@@ -345,9 +316,10 @@ class SessionHasher:
             tokens.extend(seg.ids)
             ends.append(len(tokens))
         hasher = PageHasher.resume(self.page_size, self.bigram, old.hashes[:start_page] if old else [],
-                                   old.checkpoints[:kept] if old else [], tokens[start_page * self.page_size:],
-                                   CHECKPOINT_PAGES)
-        hasher.extend(())
+                                   old.checkpoints[:kept] if old else [], [], CHECKPOINT_PAGES, YIELD_PAGES)
+        for at in range(start_page * self.page_size, len(tokens), HASH_CHUNK_TOKENS):
+            hasher.extend(tokens[at:at + HASH_CHUNK_TOKENS])  # in chunks: each yields the GIL after it
+            time.sleep(0)
         n_keys = len(tokens) - (1 if self.bigram else 0)
         reusable = max(n_keys - 1, 0) // self.page_size  # the engine always computes the last token
         answer = PromptHashes(len(tokens), tuple(hasher.hashes[:reusable]), self.page_size)
@@ -357,11 +329,19 @@ class SessionHasher:
         return answer
 
     def _remember(self, session: str, chain: _Chain) -> None:
-        self._chains[session] = chain
-        self._pages += len(chain.hashes)
-        while self._pages > self.max_pages and self._chains:
-            _, dropped = self._chains.popitem(last=False)
-            self._pages -= len(dropped.hashes)
+        with self._lock:
+            replaced = self._chains.pop(session, None)
+            if replaced is not None:
+                self._pages -= len(replaced.hashes)
+            self._chains[session] = chain
+            self._pages += len(chain.hashes)
+            while self._pages > self.max_pages and self._chains:
+                _, dropped = self._chains.popitem(last=False)
+                self._pages -= len(dropped.hashes)
 
     def __len__(self) -> int:
         return len(self._chains)
+
+    def knows(self, session: str | None) -> bool:
+        """Whether a chain is kept for this session (its next turn is mostly cached)."""
+        return session is not None and session in self._chains

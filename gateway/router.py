@@ -75,9 +75,10 @@ class PreciseResult(Protocol):
 
 
 class PreciseLookup(Protocol):
-    """``gateway.kv_wiring.PreciseMode``: exact matches, in tokens, for replicas with KV events."""
+    """``gateway.kv_wiring.PreciseMode``: exact matches, in tokens, for replicas with KV events
+    (the prompt is tokenized off the event loop, hence awaited)."""
 
-    def lookup(self, ctx: RequestContext, replicas: Sequence[ReplicaId]) -> PreciseResult | None: ...
+    async def lookup(self, ctx: RequestContext, replicas: Sequence[ReplicaId]) -> PreciseResult | None: ...
 
 
 class Router:
@@ -153,15 +154,15 @@ class Router:
             resident = fresh if fresh is not None else await self._resident(now_s, None)
         if fresh is None:
             core.store_resident(now_s, resident)
-        merged = self._precise_matches(ctx, ids, matches) if self.precise is not None else matches
+        merged = await self._precise_matches(ctx, ids, matches) if self.precise is not None else matches
         return core.inputs(ctx, tuple(self._views()), merged, session, parent, now_s)
 
-    def _precise_matches(self, ctx: RequestContext, ids: Sequence[ReplicaId],
+    async def _precise_matches(self, ctx: RequestContext, ids: Sequence[ReplicaId],
                          approx: Mapping[ReplicaId, PrefixMatch]) -> Mapping[ReplicaId, PrefixMatch]:
         """Exact matches for the replicas with events (the decision then runs in tokens)."""
         assert self.precise is not None
         try:
-            answer = self.precise.lookup(ctx, ids)
+            answer = await self.precise.lookup(ctx, ids)
         except Exception as exc:  # noqa: BLE001 - a precise-mode bug degrades to approximate routing
             self.metrics.index_degraded.inc()
             log.warning("precise lookup failed (%s: %s); routing approximately", type(exc).__name__, exc)

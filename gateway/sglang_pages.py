@@ -19,6 +19,7 @@ session's next turn only hashes its new tokens.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +71,7 @@ class PageHasher:
     _tail: list[int] = field(default_factory=list)  # tokens not yet in a full page (+1 for bigrams)
     checkpoint_every: int = 0  # > 0: keep every n-th page's digest (``checkpoints``) to resume from
     checkpoints: list[bytes] = field(default_factory=list)  # digest after pages n, 2n, ...
+    yield_every: int = 0  # > 0: let other threads take the GIL after every n pages (a worker thread's hashing)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -82,14 +84,15 @@ class PageHasher:
 
     @classmethod
     def resume(cls, page_size: int, bigram: bool, hashes: list[int], checkpoints: list[bytes],
-               tail: Sequence[int], checkpoint_every: int) -> PageHasher:
+               tail: Sequence[int], checkpoint_every: int, yield_every: int = 0) -> PageHasher:
         """Continue a chain from a checkpoint: ``hashes`` are its first pages (exactly
         ``len(checkpoints) * checkpoint_every``), ``checkpoints`` their kept digests, ``tail``
         the tokens after the last of those pages (for bigrams: from that page's last token)."""
         if len(hashes) != len(checkpoints) * checkpoint_every:
             raise ValueError("resume from a checkpoint: hashes must end at one")
         digest = checkpoints[-1] if checkpoints else b""
-        return cls(page_size, bigram, digest, list(hashes), list(tail), checkpoint_every, list(checkpoints))
+        return cls(page_size, bigram, digest, list(hashes), list(tail), checkpoint_every, list(checkpoints),
+                   yield_every)
 
     def pending_bytes(self) -> bytes:
         return _key_bytes(self._tail, self.bigram)
@@ -110,6 +113,8 @@ class PageHasher:
             new.append(to_int64(d))
             if self.checkpoint_every and (len(self.hashes) + len(new)) % self.checkpoint_every == 0:
                 self.checkpoints.append(d)
+            if self.yield_every and len(new) % self.yield_every == 0:
+                time.sleep(0)  # hashing is Python; a waiting event loop gets the GIL now, not after 5 ms
             start += step
         self._tail = tail[start:]
         self.hashes += new

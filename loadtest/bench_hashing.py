@@ -17,12 +17,19 @@ chat body above, as a *first turn* (nothing cached) and a *later turn* (the prev
 in one run; the load average is printed with the table.
     kvgate bench hashing --precise [--tokenizer-dir DIR] [--page-sizes 1,64] [--iterations 200]
 
-``--precise`` measures precise mode's request path instead (issue 13): the chat template,
-the tokenizer (the model's ``tokenizer.json``; default: the real SGLang CPU test model when
-it is cached), SGLang page hashes and the event-index match over 8 replicas, per request,
-for a *first turn* (nothing cached: the whole body tokenized and hashed) and a *later turn*
-(the session's previous turn, 3 messages shorter, cached: only the new messages are
-tokenized and hashed).
+``--precise`` measures precise mode's request path instead (issues 13, 42): the chat
+template, the tokenizer (``--tokenizer-dir``; default: both real SGLang CPU test models
+cached on this machine, the ``tokenizer.json`` one and its TikToken-form twin), SGLang page
+hashes and the event-index match over 8 replicas, per request, for a *first turn* (nothing
+cached: the whole body tokenized and hashed) and a *later turn* (the session's previous
+turn, 3 messages shorter, cached: only the new messages are tokenized and hashed). This is
+the work of the gateway's tokenizer pool, measured in one thread; CPU and wall.
+
+    kvgate bench hashing --precise --gateway [--tokenizer-dir DIR] [--kb 400] [--duration-s 30] [--big-rate 2]
+
+``--gateway`` measures instead what that work costs the other requests of a running
+gateway: a small request's added latency while 400 KB first turns are tokenized
+(``loadtest/bench_precise_gateway.py``).
 """
 from __future__ import annotations
 
@@ -159,9 +166,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", action="store_true", help="first vs later turns, cache of earlier turns off/on")
     parser.add_argument("--tokenizer-dir", default=None, help="--precise: a model dir with tokenizer.json")
     parser.add_argument("--page-sizes", default="1,64", help="--precise: SGLang page sizes to measure")
+    parser.add_argument("--gateway", action="store_true",
+                        help="--precise: a small request's added latency through a running gateway while "
+                             "--kb first turns are tokenized (loadtest/bench_precise_gateway.py)")
+    parser.add_argument("--duration-s", type=float, default=30.0,
+                        help="--gateway: seconds of small requests per phase (idle, busy)")
+    parser.add_argument("--big-rate", type=float, default=2.0,
+                        help="--gateway: big first turns per second (open loop)")
+    parser.add_argument("--gateway-source", default=None, metavar="DIR",
+                        help="--gateway: run the gateway from this source tree (PYTHONPATH), e.g. an "
+                             "unpacked `git archive HEAD`, to measure the code before a change")
+    parser.add_argument("--bench-page", type=int, default=64,
+                        help="--gateway: the replica's KV page size (Kimi K2.6's launch profile: 64)")
+    parser.add_argument("--gateway-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="--gateway: extra `kvgate serve --set` (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.precise and args.gateway:
+        from loadtest.bench_precise_gateway import run_gateway_bench
+
+        directory = args.tokenizer_dir or _default_tokenizer_dir()
+        if directory is None:
+            print("no tokenizer: pass --tokenizer-dir (a model dir)")
+            return 2
+        return run_gateway_bench(args, directory, make_body)
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, {0})  # one core
     if args.precise:
@@ -189,22 +218,40 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _default_tokenizer_dir() -> str | None:
+    found = _default_tokenizer_dirs()
+    return found[0] if found else None
+
+
+def _default_tokenizer_dirs() -> list[str]:
+    """The real SGLang CPU test models cached on this machine: the ``tokenizer.json`` one, then
+    its TikToken-form twin (``kvgate sglang-cpu --tokenizer tiktoken`` builds it)."""
     from loadtest.sglang_cpu.env import cache_dir
 
-    found = sorted(cache_dir().glob("sglang-cpu-*/models/*/tokenizer.json"))
-    return str(found[-1].parent) if found else None
+    out = []
+    for pattern in ("sglang-cpu-*/models/tiny-llama-*/tokenizer.json", "sglang-cpu-*/models/tiny-kimi-*/tiktoken.model"):
+        found = sorted(cache_dir().glob(pattern), key=lambda p: p.stat().st_mtime)
+        if found:
+            out.append(str(found[-1].parent))
+    return out
 
 
 def run_precise(args: argparse.Namespace, body: bytes) -> int:
-    """Precise mode's per-request CPU: render + tokenize + page-hash + match, first and later turns."""
+    """Precise mode's per-request CPU: render + tokenize + page-hash + match, first and later turns,
+    for each tokenizer form (``--tokenizer-dir``, else both cached test models)."""
+    directories = [args.tokenizer_dir] if args.tokenizer_dir else _default_tokenizer_dirs()
+    if not directories:
+        print("no tokenizer: pass --tokenizer-dir (a model dir: tokenizer.json or Kimi's TikToken form)")
+        return 2
+    for directory in directories:
+        _run_precise_dir(args, body, directory)
+    return 0
+
+
+def _run_precise_dir(args: argparse.Namespace, body: bytes, directory: str) -> None:
     from gateway.precise_tokens import ModelTokenizer, SessionHasher
     from prefix_index.base import ReplicaId
     from prefix_index.precise import EventBlockIndex
 
-    directory = args.tokenizer_dir or _default_tokenizer_dir()
-    if directory is None:
-        print("no tokenizer: pass --tokenizer-dir (a model dir with tokenizer.json)")
-        return 2
     tok = ModelTokenizer.from_dir(directory)
     data = orjson.loads(body)
     earlier = {**data, "messages": data["messages"][:-3]}
@@ -222,8 +269,7 @@ def run_precise(args: argparse.Namespace, body: bytes) -> int:
             index.match(prompt.hashes, replicas)
 
         def first(page: int = page) -> tuple[SessionHasher]:
-            tok._cache.clear()
-            tok._cache_tokens = 0
+            tok.clear_cache()
             return (SessionHasher(page),)
 
         def later(first: Callable[[], tuple[SessionHasher]] = first) -> tuple[SessionHasher]:
@@ -233,10 +279,9 @@ def run_precise(args: argparse.Namespace, body: bytes) -> int:
 
         tokens = sum(len(s.ids) for s in segments)
         print(f"precise, page {page}: {len(body):,} bytes, {tokens:,} tokens, {len(hashes):,} pages, "
-              f"8 replicas; {n} samples each; tokenizer {directory}")
+              f"8 replicas; {n} samples each; {tok.form.kind} tokenizer {directory}")
         print(_line("first turn", *_measure_setup(first, request, n)))
         print(_line("later turn", *_measure_setup(later, request, n)))
-    return 0
 
 
 def _measure_setup(setup: Callable[[], tuple[Any, ...]], fn: Callable[..., object], n: int

@@ -29,8 +29,31 @@ class IndexConfig(BaseModel):
     )
     tokenizer_dir: str | None = Field(
         default=None,
-        description="precise mode: the model directory (tokenizer.json, tokenizer_config.json) when a "
-                    "replica's model_path is not a local directory",
+        description="precise mode: the model directory (tokenizer.json, or Kimi's tiktoken.model + "
+                    "tokenization_kimi.py; tokenizer_config.json) when a replica's model_path is not a local "
+                    "directory",
+    )
+    precise_tokenize_workers: int = Field(
+        default=1, ge=1,
+        description="precise mode: threads that tokenize and page-hash prompts off the event loop "
+                    "(gateway/precise_pool.py); 1 keeps a core of a 2-core pod for the loop",
+    )
+    precise_tokenize_queue_requests: int = Field(
+        default=16, ge=0,
+        description="precise mode: prompts waiting for a tokenizer thread at most (requests); one more is "
+                    "routed approximately at once",
+    )
+    precise_heavy_chars: int = Field(
+        default=16384, ge=0,
+        description="precise mode: a prompt the gateway has not seen (no session chain) longer than this "
+                    "(characters) is tokenized in the heavy lane of the pool; the others (later turns, small "
+                    "prompts) in its light lane, so they never wait behind a long first turn",
+    )
+    precise_tokenize_deadline_s: float = Field(
+        default=2.0, gt=0,
+        description="precise mode: a request waits this long at most for its prompt's token ids (seconds); "
+                    "then it is routed approximately and the work finishes in the background (cached for the "
+                    "next turn)",
     )
     event_lease_ttl_s: float = Field(
         default=5.0, gt=0,
@@ -43,9 +66,11 @@ class IndexConfig(BaseModel):
                     "bytes); a larger one drops the publisher's connection (its batches then show as a gap)",
     )
     event_receive_hwm_messages: int = Field(
-        default=256, ge=1,
+        default=16, ge=1,
         description="precise mode: KV-event messages queued per subscriber socket before ZMQ drops more "
-                    "(ZMQ_RCVHWM, messages); memory is bounded by this times event_max_message_bytes",
+                    "(ZMQ_RCVHWM, messages; a drop shows as a gap: the replica is uncertain until "
+                    "rebuilt); memory is bounded by this times event_max_message_bytes (256 MiB a socket at "
+                    "the defaults; 256 messages let a flood reach 555 MB RSS, tests/safety/test_kv_event_flood.py)",
     )
     event_max_dp_size: int = Field(
         default=64, ge=1,

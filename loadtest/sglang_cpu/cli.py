@@ -2,6 +2,7 @@
 
     kvgate sglang-cpu --port 30000
     kvgate sglang-cpu --replicas 2 --base-port 30000 --max-total-tokens 16384
+    kvgate sglang-cpu --tokenizer tiktoken   # the tiny model with Kimi K2's TikToken tokenizer form
 
 Builds the environment (``tools/sglang_cpu/install.sh``) and the tiny model first when
 they are missing (once per machine, cached in ``~/.cache/kvgate``), starts the server(s),
@@ -18,8 +19,17 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from loadtest.sglang_cpu.env import EnvError, ensure_env
-from loadtest.sglang_cpu.server import HOST, ServerSpec, SGLangServer, start_all, stop_all
+from loadtest.sglang_cpu.env import EnvError, SGLangEnv, ensure_env, ensure_tiktoken_model
+from loadtest.sglang_cpu.server import (
+    HOST,
+    SERVED_MODEL_NAME,
+    ServerSpec,
+    SGLangServer,
+    start_all,
+    stop_all,
+)
+
+TIKTOKEN_MODEL_NAME = "tiny-kimi"
 
 DEFAULT_PORT = 30000
 
@@ -44,15 +54,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-port", type=int, default=None,
                         help="with --replicas: server i listens on base-port + i")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temp dir)")
+    parser.add_argument("--tokenizer", choices=("json", "tiktoken"), default="json",
+                        help="the tiny model's tokenizer form: json (tokenizer.json, served as tiny-llama) or "
+                             "tiktoken (Kimi K2's tiktoken.model + tokenization_kimi.py, loaded with "
+                             "--trust-remote-code, served as tiny-kimi)")
 
 
 def specs(args: argparse.Namespace) -> list[ServerSpec]:
     base = args.base_port if args.base_port is not None else args.port
+    tiktoken = getattr(args, "tokenizer", "json") == "tiktoken"
+    name, extra = (TIKTOKEN_MODEL_NAME, ("--trust-remote-code",)) if tiktoken else (SERVED_MODEL_NAME, ())
     return [ServerSpec(port=base + i, host=args.host, max_total_tokens=args.max_total_tokens,
                        page_size=args.page_size,
                        kv_events_endpoint=_endpoint(args.kv_events_endpoint, i),
-                       kv_events_replay_endpoint=_endpoint(args.kv_events_replay_endpoint, i))
+                       kv_events_replay_endpoint=_endpoint(args.kv_events_replay_endpoint, i),
+                       served_model_name=name, extra_args=extra)
             for i in range(args.replicas)]
+
+
+def model_dir(args: argparse.Namespace, env: SGLangEnv) -> Path:
+    """The model the servers load: the tiny model, or its TikToken-form twin (built on first use)."""
+    return ensure_tiktoken_model(env.python) if args.tokenizer == "tiktoken" else env.model_dir
 
 
 def _endpoint(endpoint: str | None, i: int) -> str | None:
@@ -68,13 +90,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         env = ensure_env()
+        model = model_dir(args, env)
     except EnvError as e:
         print(f"sglang-cpu: {e}", file=sys.stderr)
         return 1
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-sglang-cpu-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    servers = [SGLangServer(env, spec, log_dir / f"sglang-{spec.port}.log") for spec in specs(args)]
-    print(f"sglang-cpu: starting {len(servers)} server(s) with {env.model_dir} (logs: {log_dir})",
+    servers = [SGLangServer(env, spec, log_dir / f"sglang-{spec.port}.log", model) for spec in specs(args)]
+    print(f"sglang-cpu: starting {len(servers)} server(s) with {model} (logs: {log_dir})",
           flush=True)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -3,7 +3,9 @@
 Both are cached per machine, outside the project, so every clone (CI's fresh ones
 included) reuses them: ``${KVGATE_CACHE_DIR:-~/.cache/kvgate}/sglang-cpu-0.5.23-<pins>/``
 holds ``venv/`` (built by ``tools/sglang_cpu/install.sh``) and
-``models/tiny-llama-<hash of model.py>/`` (built by :mod:`.model` inside that venv).
+``models/tiny-llama-<hash of model.py>/`` (built by :mod:`.model` inside that venv), and,
+when asked for, ``models/tiny-kimi-<hash>/``: the same model with its tokenizer in Kimi K2's
+TikToken form (built by :mod:`.kimi_model`, served with ``--trust-remote-code``).
 Each build runs at most once per key; a progress message goes to stderr first.
 """
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLER = ROOT / "tools" / "sglang_cpu" / "install.sh"
 MODEL_BUILDER = Path(__file__).resolve().with_name("model.py")
+TIKTOKEN_BUILDER = Path(__file__).resolve().with_name("kimi_model.py")
+TIKTOKEN_CLASS = Path(__file__).resolve().with_name("tokenization_kimi.py")
 INSTALL_TIMEOUT_S = 1800.0
 MODEL_TIMEOUT_S = 600.0
 
@@ -60,15 +64,29 @@ def model_dir_for(python: Path) -> Path:
     return python.parent.parent.parent / "models" / f"tiny-llama-{model_key()}"
 
 
+def tiktoken_model_dir_for(python: Path) -> Path:
+    """``<venv's parent>/models/tiny-kimi-<hash of its builder, model.py and the tokenizer class>``."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (TIKTOKEN_BUILDER, MODEL_BUILDER, TIKTOKEN_CLASS)))
+    return python.parent.parent.parent / "models" / f"tiny-kimi-{key.hexdigest()[:12]}"
+
+
 def ensure_model(python: Path) -> Path:
     """Build the tiny model with the venv's ``python`` unless it is cached."""
-    out = model_dir_for(python)
+    return _build(python, MODEL_BUILDER, model_dir_for(python), "the tiny model")
+
+
+def ensure_tiktoken_model(python: Path) -> Path:
+    """Build the tiny TikToken-form (Kimi K2 layout) model unless it is cached."""
+    return _build(python, TIKTOKEN_BUILDER, tiktoken_model_dir_for(python), "the tiny TikToken-form model")
+
+
+def _build(python: Path, builder: Path, out: Path, what: str) -> Path:
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
-    print(f"sglang-cpu: building the tiny model in {out} (about 20 s)", file=sys.stderr, flush=True)
+    print(f"sglang-cpu: building {what} in {out} (about 20 s)", file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run([str(python), str(MODEL_BUILDER), "--out", str(out)],
+        done = subprocess.run([str(python), str(builder), "--out", str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=MODEL_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as e:

@@ -316,7 +316,7 @@ async def test_wiring_counts_restarts_and_stops_trusting_the_replica(zctx: zmq.a
         await pub.send([BlockStored((5,), None, (1, 2, 3, 4), PAGE)], seq=2)
         # what the skipped batch changed is unknown: uncertain, routed approximately (not frozen)
         await until(lambda: replica in mode.index.uncertain)
-        assert mode.precise_replicas() == [] and mode.lookup(request(), [replica]) is None
+        assert mode.precise_replicas() == [] and await mode.lookup(request(), [replica]) is None
         assert metrics.kv_event_streams.labels("decode_error")._value.get() == 1
         await pub.send([AllBlocksCleared()], seq=3)  # rebuilt: precise again
         await until(lambda: mode.precise_replicas() == [replica])
@@ -333,7 +333,7 @@ async def test_wiring_counts_restarts_and_stops_trusting_the_replica(zctx: zmq.a
         await pub.send([BlockStored((5,), None, (1, 2, 3, 4), PAGE)], seq=4)
         await until(lambda: sub.restarts == 1)
         assert mode.precise_replicas() == [] and mode.index.blocks(replica) == (0, 0)
-        assert mode.lookup(request(), [replica]) is None
+        assert await mode.lookup(request(), [replica]) is None
         assert metrics.kv_subscriber_restarts.labels(replica)._value.get() == 1
         assert metrics.precise_replicas.labels("precise")._value.get() == 0
         await until(lambda: mode.precise_replicas() == [replica])  # live again after the restart

@@ -28,7 +28,7 @@ def test_segments_equal_whole_prompt_tokenization(model: Path, messages: list[tu
     tok = ModelTokenizer.from_dir(model)
     payload = {"messages": [{"role": r, "content": c} for r, c in messages]}
     text = tok.render_chat(payload)
-    whole = tok.tokenizer.encode(text, add_special_tokens=False).ids
+    whole = tok.form.encode(text, prompt=False)
     for _ in range(2):  # the second time from the segment cache
         segments = tok.prompt_segments("chat", payload)
         assert segments is not None
@@ -64,6 +64,7 @@ def test_completions_and_token_prompts(tmp_path: Path) -> None:
 
 def test_tool_call_arguments_reach_the_template_as_objects(model: Path) -> None:
     tok = ModelTokenizer.from_dir(model)
+    assert tok.template is not None
     tok.template = tok.template.environment.from_string(
         "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.path }}"
         "{% endfor %}{% endfor %}")
@@ -73,45 +74,40 @@ def test_tool_call_arguments_reach_the_template_as_objects(model: Path) -> None:
 
 
 def test_anthropic_messages_convert_as_sglang_does() -> None:
-    from gateway.precise_tokens import anthropic_to_chat
+    from gateway.precise_chat import NotReproducible, anthropic_to_chat
 
     body = {"system": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}], "messages": [
         {"role": "user", "content": "read it"},
         {"role": "assistant", "content": [{"type": "text", "text": "ok"},
                                           {"type": "tool_use", "id": "t1", "name": "read", "input": {"p": 1}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                      "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}]},
-        {"role": "assistant", "content": [{"type": "text", "text": ""}]}]}
-    assert anthropic_to_chat(body) == {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "first"},
+                                     {"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+                                     {"type": "text", "text": "then"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]}],
+        "tools": [{"name": "read", "input_schema": {"type": "object"}}]}
+    chat = anthropic_to_chat(body)
+    assert chat.messages == [
         {"role": "system", "content": "A\nB"}, {"role": "user", "content": "read it"},
         {"role": "assistant", "content": "ok", "tool_calls": [
             {"id": "t1", "type": "function", "function": {"name": "read", "arguments": '{"p": 1}'}}]},
+        {"role": "user", "content": "first"},  # text before a tool_result is flushed first, as SGLang does
         {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
-        {"role": "assistant", "content": ""}]}
+        {"role": "user", "content": "then"},
+        {"role": "assistant", "content": ""}]
+    assert chat.tools == [{"type": "function", "defer_loading": None, "function": {
+        "name": "read", "description": "", "parameters": {"type": "object"}, "strict": False}}]
+    assert chat.tool_choice == "auto"
     image = {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}
-    assert anthropic_to_chat(image) is None and anthropic_to_chat({"tools": [{}], "messages": []}) is None
+    with pytest.raises(NotReproducible):
+        anthropic_to_chat(image)
 
 
-def test_uncached_text_is_tokenized_within_a_budget_per_request(model: Path) -> None:
-    """A conversation new to the gateway is tokenized over several requests (each within
-    the budget, the pieces cached), never in one long stall of the event loop."""
-    from gateway.precise_tokens import OverBudget
-
+def test_a_first_turn_is_tokenized_whole_on_its_first_request(model: Path) -> None:
+    """No per-request budget: the pool's deadline bounds the wait, not the text."""
     tok = ModelTokenizer.from_dir(model)
-    tok.budget_chars = 3000
-    whole = ModelTokenizer.from_dir(model)
-    whole.budget_chars = 10**9
-    payload = {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 120}
-                            for i in range(9)]}  # ~1,300 characters per message
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            segments = tok.prompt_segments("chat", payload)
-            break
-        except OverBudget:
-            assert attempts < 10
-    assert attempts > 1  # the first request was over the budget: routed approximately
-    expected = whole.prompt_segments("chat", payload)
-    assert segments is not None and expected is not None
-    assert [s.ids for s in segments] == [s.ids for s in expected]
+    payload = {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 2000}
+                            for i in range(9)]}  # ~100 KB
+    segments = tok.prompt_segments("chat", payload)
+    assert segments is not None
+    assert [t for s in segments for t in s.ids] == tok.form.encode(tok.render_chat(payload), prompt=False)

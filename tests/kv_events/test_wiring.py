@@ -108,16 +108,16 @@ async def test_lookup_follows_the_events_per_medium(setup: tuple[PreciseMode, Pu
     k = len(hashes) - 2
     await pub.send([BlockStored(tuple(hashes[:k]), None, (), PAGE)])
     await until(lambda: mode.index.blocks(A)[0] == k + 1)
-    answer = mode.lookup(request(), [A, B])
+    answer = await mode.lookup(request(), [A, B])
     assert answer == PreciseAnswer(tokens, {A: PrefixMatch(k * PAGE, 0)})  # B publishes nothing: not precise
     # HiCache: backed up to the host, then evicted from the GPU: a host hit, not a miss
     await pub.send([BlockStored(tuple(hashes[:k]), None, (), PAGE, "CPU_PINNED"),
                     BlockRemoved(tuple(hashes[2:k]), "GPU")])
     await until(lambda: mode.index.blocks(A) == (3, k))
-    assert mode.lookup(request(), [A])== PreciseAnswer(tokens, {A: PrefixMatch(2 * PAGE, (k - 2) * PAGE)})
+    assert await mode.lookup(request(), [A])== PreciseAnswer(tokens, {A: PrefixMatch(2 * PAGE, (k - 2) * PAGE)})
     await pub.send([AllBlocksCleared()])  # /flush_cache: the very next request is a miss
     await until(lambda: mode.index.blocks(A) == (0, 0))
-    assert mode.lookup(request(), [A]) == PreciseAnswer(tokens, {A: PrefixMatch()})
+    assert await mode.lookup(request(), [A]) == PreciseAnswer(tokens, {A: PrefixMatch()})
     assert metrics.kv_event_streams.labels("cleared")._value.get() == 1
 
 
@@ -127,7 +127,7 @@ async def test_gap_restart_and_removal(setup: tuple[PreciseMode, Publisher, Gate
     await pub.send([BlockStored(tuple(hashes), None, (), PAGE)], seq=1)
     await pub.send([BlockRemoved((hashes[-1],), "GPU")], seq=5)  # 2..4 lost, no replay advertised
     await until(lambda: A in mode.index.uncertain)
-    assert mode.lookup(request(), [A, B]) is None  # uncertain: routed approximately
+    assert await mode.lookup(request(), [A, B]) is None  # uncertain: routed approximately
     assert metrics.kv_event_streams.labels("gap")._value.get() == 1
     assert metrics.kv_event_streams.labels("lost")._value.get() == 1
     # the replica restarted (a new startup_time, seen when it comes back ACTIVE): entries dropped
@@ -137,7 +137,7 @@ async def test_gap_restart_and_removal(setup: tuple[PreciseMode, Publisher, Gate
     assert mode.index.blocks(A) == (0, 0) and A not in mode.index.uncertain
     mode.on_removed(A)
     assert A not in mode.index.replicas() and mode.precise_replicas() == []
-    assert mode.lookup(request(), [A]) is None
+    assert await mode.lookup(request(), [A]) is None
 
 
 def view(rid: ReplicaId) -> ReplicaView:
@@ -148,7 +148,7 @@ class FakePrecise:
     def __init__(self, answer: PreciseAnswer | None) -> None:
         self.answer = answer
 
-    def lookup(self, ctx: RequestContext, replicas: object) -> PreciseAnswer | None:
+    async def lookup(self, ctx: RequestContext, replicas: object) -> PreciseAnswer | None:
         return self.answer
 
 

@@ -13,6 +13,7 @@ own (never more than 2).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -150,7 +151,7 @@ def test_joining_gateway_knows_what_was_stored_before_it_subscribed(
     early = ReplicaId(servers[0].url)
     ctx = RequestContext("early", "chat", MODEL, SessionKeys(None), (), 0, 0, 4,
                          payload={"model": MODEL, "messages": [{"role": "user", "content": EARLY_PROMPT}]})
-    answer = mode.lookup(ctx, [early])
+    answer = asyncio.run(mode.lookup(ctx, [early]))
     assert answer is not None and answer.prompt_tokens > 60
     page = page_of(servers, early)
     assert answer.matches[early].device_blocks >= answer.prompt_tokens // page * page - page, answer
@@ -211,7 +212,7 @@ def test_flush_then_restart_leave_no_stale_entry(
                          payload={"model": MODEL, "messages": chat.messages})
 
     def dropped() -> bool:
-        answer = mode.lookup(ctx, [held])
+        answer = asyncio.run(mode.lookup(ctx, [held]))
         return answer is not None and held in answer.matches and answer.matches[held].blocks == 0
 
     wait_for(dropped, 60.0, "the restarted replica's entries dropped")
