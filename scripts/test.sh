@@ -33,7 +33,7 @@ bash tools/ops/install.sh
 echo "== installing the peer routers (sglang-router 0.3.2, smg 1.13.0) into .venv-peers/"
 bash loadtest/peers/install.sh
 
-echo "== installing aiperf and inference-perf (cached per machine; tests/loadtest/test_bench_tools.py)"
+echo "== installing aiperf, inference-perf and guidellm (cached per machine; tests/loadtest/test_bench_tools.py)"
 bash tools/bench/install.sh
 
 echo "== static checks (ruff, mypy --strict)"
