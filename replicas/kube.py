@@ -129,16 +129,20 @@ class WatchEvent:
 
 async def list_endpoint_slices(kube: KubeClient, selector: str) -> tuple[str, list[dict[str, Any]]]:
     """(the list's resourceVersion, the EndpointSlices matching ``selector``, as JSON)."""
-    from kubernetes_asyncio.client import ApiException, DiscoveryV1Api
+    from kubernetes_asyncio.client import DiscoveryV1Api
 
-    api = DiscoveryV1Api(kube.api)
+    return await _list(kube, DiscoveryV1Api(kube.api).list_namespaced_endpoint_slice, selector)
+
+
+async def _list(kube: KubeClient, call: Any, selector: str) -> tuple[str, list[dict[str, Any]]]:
+    """One ``list_namespaced_*`` call: (its resourceVersion, its items as JSON)."""
+    from kubernetes_asyncio.client import ApiException
+
     try:
-        result = await api.list_namespaced_endpoint_slice(
-            kube.namespace, label_selector=selector, _request_timeout=CALL_TIMEOUT_S)
+        result = await call(kube.namespace, label_selector=selector, _request_timeout=CALL_TIMEOUT_S)
     except (ApiException, aiohttp.ClientError, TimeoutError) as e:
         raise _error(e) from e
-    items = [kube.api.sanitize_for_serialization(item)
-             for item in result.items or []]
+    items = [kube.api.sanitize_for_serialization(item) for item in result.items or []]
     return str(result.metadata.resource_version), items
 
 
@@ -166,16 +170,9 @@ async def watch_endpoint_slices(kube: KubeClient, selector: str, version: str,
 
 async def list_pods(kube: KubeClient, selector: str) -> list[dict[str, Any]]:
     """The pods matching ``selector``, as JSON."""
-    from kubernetes_asyncio.client import ApiException, CoreV1Api
+    from kubernetes_asyncio.client import CoreV1Api
 
-    api = CoreV1Api(kube.api)
-    try:
-        result = await api.list_namespaced_pod(
-            kube.namespace, label_selector=selector, _request_timeout=CALL_TIMEOUT_S)
-    except (ApiException, aiohttp.ClientError, TimeoutError) as e:
-        raise _error(e) from e
-    return [kube.api.sanitize_for_serialization(item)
-            for item in result.items or []]
+    return (await _list(kube, CoreV1Api(kube.api).list_namespaced_pod, selector))[1]
 
 
 async def annotate_pod(kube: KubeClient, name: str, annotations: Mapping[str, str]) -> None:

@@ -90,23 +90,11 @@ CHAT_TEMPLATE = """\
 
 def ranks_from_bpe(tok: Any) -> list[bytes]:
     """The trained byte-level BPE's tokens as bytes, in id order (the ranks)."""
-    byte_of = {v: k for k, v in byte_names().items()}
+    byte_of = {v: k for k, v in importlib.import_module("tokenization_kimi").byte_names().items()}
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     tokens = [bytes(byte_of[c] for c in text) for text, _ in vocab if text not in _tiny().SPECIAL_TOKENS]
     assert len(set(tokens)) == len(tokens) and all(bytes([b]) in set(tokens) for b in range(256))
     return tokens
-
-
-def byte_names() -> dict[int, str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    names = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in names:
-            names[b] = chr(256 + extra)
-            extra += 1
-    return names
 
 
 def save_tokenizer(ranks: list[bytes], out: Path) -> int:

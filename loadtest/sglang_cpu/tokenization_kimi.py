@@ -48,7 +48,7 @@ def load_ranks(path: str) -> dict[bytes, int]:
     return ranks
 
 
-def _byte_names() -> dict[int, str]:
+def byte_names() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (token strings of the vocabulary)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
         range(ord("®"), ord("ÿ") + 1))
@@ -91,7 +91,7 @@ class TikTokenTokenizer(_transformers.PreTrainedTokenizer):  # type: ignore[misc
         self.model = _tiktoken.Encoding(name=os.path.basename(vocab_file), pat_str=self.pat_str,
                                         mergeable_ranks=ranks, special_tokens=self.special_tokens)
         self.n_words: int = self.model.n_vocab
-        self.byte_names = _byte_names()
+        self.byte_names = byte_names()
         self.byte_values = {v: k for k, v in self.byte_names.items()}
         self.decoder = {i: "".join(self.byte_names[b] for b in self.model.decode_single_token_bytes(i))
                         for i in range(self.n_words)}

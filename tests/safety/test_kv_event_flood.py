@@ -160,13 +160,6 @@ def rss_bound_mb(baseline_mb: float) -> float:
 
 
 @pytest.fixture
-def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
 def setup(tmp_path: Path, zctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[tuple[Gateway, Replica, Flood]]:
     flood = Flood(zctx)
     replica = Replica(write_model(tmp_path / "model"), flood.port)

@@ -97,13 +97,6 @@ def until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0, each: Ca
 
 
 @pytest.fixture
-def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
 def setup(tmp_path: Path, zctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[tuple[Gateway, Publisher, str, InfoReplica]]:
     model = write_model(tmp_path / "model")
     pub = Publisher(zctx)
