@@ -129,13 +129,18 @@ def test_dashboard_covers_fleet_and_gateway() -> None:
         "Gateway", "Fleet: SGLang replicas (their own sglang:* series)"]
 
 
-def test_allow_list_is_real_and_needed(replica_names: set[str]) -> None:
-    contract = CONTRACT.read_text()
-    section = contract[contract.index("### 1.6"):contract.index("### 1.7")]
+def test_allow_list_is_needed(replica_names: set[str]) -> None:
     for name, reason in REAL_SGLANG_ONLY.items():
-        assert f"`{name}`" in section, f"{name} is not a SGLang 0.5.23 metric (contract §1.6)"
         assert name not in replica_names, f"{name} is exported by the simulator now: drop it from the allow-list"
         assert len(reason) > 20
+
+
+@pytest.mark.skipif(not CONTRACT.is_file(), reason="../shared/reference not on this machine")
+def test_allow_list_is_real() -> None:
+    contract = CONTRACT.read_text()
+    section = contract[contract.index("### 1.6"):contract.index("### 1.7")]
+    for name in REAL_SGLANG_ONLY:
+        assert f"`{name}`" in section, f"{name} is not a SGLang 0.5.23 metric (contract §1.6)"
 
 
 def test_name_check_has_teeth(gateway_names: set[str], replica_names: set[str]) -> None:
