@@ -14,12 +14,14 @@ Not a product: it exists only to be measured.
 
 ``python-floor-granian`` (target) serves the same app with Granian, a Rust HTTP server
 (ASGI interface, uvloop, HTTP/1 only), in place of uvicorn: what a compiled server under
-the same Python app and client saves. Granian is not a kvgate dependency: ``pip install
-granian`` first (the target fails to start without it).
+the same Python app and client saves. ``python-floor-rsgi`` serves `RSGIPassThrough`, the same
+proxy on Granian's native RSGI interface (docs/benchmarks.md, "HTTP server and upstream
+client": why kvgate stays on ASGI).
 
     python -m loadtest.peers.python_floor --port 31900 --replica http://127.0.0.1:31001 [--replica ...]
     KVGATE_FLOOR_REPLICA=http://127.0.0.1:31001[,...] granian --interface asgi --port 31900 \
         --loop uvloop --http 1 --no-ws --factory loadtest.peers.python_floor:from_env
+    KVGATE_FLOOR_REPLICA=... granian --interface rsgi ... --factory loadtest.peers.python_floor:rsgi_from_env
 """
 from __future__ import annotations
 
@@ -123,6 +125,41 @@ class PassThrough(FloorApp):
     async def stop(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+class RSGIPassThrough:
+    """The same pass-through on Granian's native interface (RSGI): no ASGI message dicts, a
+    non-streamed answer handed over in one call, a stream written with ``send_bytes``."""
+
+    def __init__(self, replicas: Sequence[str]) -> None:
+        self.replicas = Replicas([r.rstrip("/") for r in replicas])
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __rsgi__(self, scope: Any, protocol: Any) -> None:
+        if scope.path in ("/health", "/ready"):
+            protocol.response_bytes(200, [], b"ok")
+            return
+        if self.session is None:
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=256), cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+                trust_env=False)
+        body = await protocol()
+        headers = CIMultiDict((k, v) for k, v in scope.headers.items() if k.encode() not in HOP)
+        replica = self.replicas.pick(scope.headers.get(SESSION_HEADER.decode(), "").encode())
+        async with self.session.request(scope.method, replica + scope.path, data=body, headers=headers) as answer:
+            out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in answer.raw_headers if k.lower() not in HOP]
+            if answer.content_type != "text/event-stream":
+                protocol.response_bytes(answer.status, out, await answer.read())
+                return
+            transport = protocol.response_stream(answer.status, out)
+            async for chunk in answer.content.iter_any():
+                await transport.send_bytes(chunk)
+
+
+def rsgi_from_env() -> RSGIPassThrough:
+    """The RSGI app for Granian, replicas as in `from_env`."""
+    return RSGIPassThrough(os.environ["KVGATE_FLOOR_REPLICA"].split(","))
 
 
 def from_env() -> PassThrough:

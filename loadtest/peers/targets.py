@@ -21,7 +21,8 @@ from loadtest.simulator.ports import free_port
 
 PYTHON_FLOOR = "python-floor"  # loadtest/peers/python_floor.py: a pass-through proxy (uvicorn + aiohttp)
 PYTHON_FLOOR_GRANIAN = "python-floor-granian"  # the same app on Granian (pip install granian)
-FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN)
+PYTHON_FLOOR_RSGI = "python-floor-rsgi"  # the same pass-through on Granian's RSGI interface
+FLOORS = (PYTHON_FLOOR, PYTHON_FLOOR_GRANIAN, PYTHON_FLOOR_RSGI)
 
 
 def parse_targets(text: str) -> list[str]:
@@ -74,6 +75,10 @@ def _python_floor(target: str, workers: Sequence[str], log_dir: Path) -> Iterato
     replicas = [arg for w in workers for arg in ("--replica", w)]
     if target == PYTHON_FLOOR:
         cmd = ["-m", "loadtest.peers.python_floor", "--port", str(port), *replicas]
+    elif target == PYTHON_FLOOR_RSGI:
+        cmd = ["-m", "granian", "--interface", "rsgi", "--host", "127.0.0.1", "--port", str(port), "--loop",
+               "uvloop", "--http", "1", "--no-ws", "--log-level", "warning", "--factory",
+               "loadtest.peers.python_floor:rsgi_from_env"]
     else:
         cmd = ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--loop",
                "uvloop", "--http", "1", "--no-ws", "--log-level", "warning", "--factory",
@@ -85,7 +90,7 @@ def _python_floor(target: str, workers: Sequence[str], log_dir: Path) -> Iterato
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 30.0, proc)
         # Granian serves from one worker process under a supervisor: its CPU is the worker's
-        yield url, proc.pid if target != PYTHON_FLOOR_GRANIAN else _only_child(proc.pid)
+        yield url, proc.pid if target == PYTHON_FLOOR else _only_child(proc.pid)
     finally:
         stop_process(proc)
 
@@ -102,6 +107,8 @@ def target_version(target: str) -> str:
         return "pass-through (uvicorn+aiohttp)"
     if target == PYTHON_FLOOR_GRANIAN:
         return "pass-through (granian+aiohttp)"
+    if target == PYTHON_FLOOR_RSGI:
+        return "pass-through (granian RSGI+aiohttp)"
     if (checkout := kvgate_checkout(target)) is not None:
         return f"kvgate cache-aware from {checkout}"
     policy = kvgate_policy(target)

@@ -37,7 +37,8 @@ def test_targets() -> None:
     assert kvgate_policy("kvgate") == "cache-aware"
     assert kvgate_policy("kvgate-session-hash") == "session-hash"
     assert kvgate_policy("smg-least-load") is None
-    assert parse_targets("python-floor,python-floor-granian") == ["python-floor", "python-floor-granian"]
+    assert parse_targets("python-floor,python-floor-granian,python-floor-rsgi") == [
+        "python-floor", "python-floor-granian", "python-floor-rsgi"]
     assert kvgate_policy("python-floor") is None
     with pytest.raises(ValueError, match="unknown target"):
         parse_targets("kvgate,nginx")

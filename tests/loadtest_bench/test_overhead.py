@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
 from pathlib import Path
 
@@ -138,23 +137,19 @@ def test_tiny_run_sequential(tmp_path: Path) -> None:
     assert [r["target"] for r in rows] == ["kvgate"] * 6 + ["kvgate-round-robin"] * 6
 
 
-def test_tiny_run_beside_the_python_floor(tmp_path: Path) -> None:
-    """The pass-through proxy (``python-floor``) measured beside kvgate, and the Granian
-    variant: measured when Granian is installed, else one error row naming why."""
+def test_tiny_run_beside_the_python_floors(tmp_path: Path) -> None:
+    """The pass-through proxies (``python-floor`` on uvicorn, ``python-floor-granian`` and
+    ``python-floor-rsgi`` on Granian's two interfaces) measured beside kvgate."""
     out = tmp_path / "overhead.json"
-    code = main(["--targets", "kvgate,python-floor,python-floor-granian", "--small", "6", "--large", "2",
+    targets = ["python-floor", "python-floor-granian", "python-floor-rsgi"]
+    code = main(["--targets", ",".join(["kvgate", *targets]), "--small", "6", "--large", "2",
                  "--kbs", "100", "--concurrency", "1", "--resamples", "20", "--json", str(out)])
     rows = orjson.loads(out.read_bytes())["overhead"]
-    has_granian = importlib.util.find_spec("granian") is not None
-    assert code == (0 if has_granian else 1)  # a target that failed to start fails the run
-    floor = [r for r in rows if r["target"] == "python-floor"]
-    assert len(floor) == 6 and all("error" not in r and r["n"] >= 2 for r in floor)
-    assert floor[0]["version"] == "pass-through (uvicorn+aiohttp)"
-    granian = [r for r in rows if r["target"] == "python-floor-granian"]
-    if has_granian:
-        assert len(granian) == 6 and all("error" not in r for r in granian)
-    else:
-        assert len(granian) == 1 and "granian" in granian[0]["error"]
+    assert code == 0
+    for target in targets:
+        floor = [r for r in rows if r["target"] == target]
+        assert len(floor) == 6 and all("error" not in r and r["n"] >= 2 for r in floor), target
+    assert next(r for r in rows if r["target"] == "python-floor")["version"] == "pass-through (uvicorn+aiohttp)"
 
 
 def test_the_floors_keep_a_session_on_one_replica_and_spread_the_rest() -> None:
