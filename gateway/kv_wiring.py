@@ -328,7 +328,7 @@ class PreciseMode:
         if state is not None:
             mode = ("uncertain" if replica in self.index.uncertain else "precise" if state.live else "joining")
             return {"mode": mode, "model_dir": state.model_dir, "tokenizer": self.models.kind(state.model_dir),
-                    "page_size": state.page_size}
+                    "tool_declaration": self.models.tool_declaration(state.model_dir), "page_size": state.page_size}
         return self.models.approximate_status(replica)
 
     def _stop(self, replica: ReplicaId) -> None:

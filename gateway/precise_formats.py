@@ -17,6 +17,11 @@ A model directory ships its tokenizer in one of two forms, and SGLang tokenizes 
   ``allowed_special="all"``. ``TikTokenForm`` does the same with the ``tiktoken`` library.
   The class file is read, never executed (``ast``): its pattern, reserved count and cut
   sizes must be the ones known here, else the directory is ``tokenizer_class_differs``.
+  Kimi K2.5 and later declare a request's tools in Python (``tool_declaration_ts.py``,
+  handed to the template as ``tools_ts_str``): when that file is there and its layout
+  constants are the ones ``gateway.kimi_tools`` reproduces, ``tool_declaration`` is
+  ``"typescript"``; a class that declares tools some other way is ``"unknown"`` (its
+  requests with tools are routed approximately, the others stay exact).
 
 ``load_form(directory)`` returns the form and the chat template text, or raises
 ``Unreproducible(reason, detail)`` with a reason from ``REASONS`` (a bounded label set:
@@ -39,7 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gateway import word_tokens
+from gateway import kimi_tools, word_tokens
 
 REASONS = ("no_local_tokenizer", "missing_files", "unknown_tokenizer_class", "tokenizer_class_differs",
            "unreadable", "template_error")
@@ -64,6 +69,7 @@ KIMI_RUN_CHARS = 25_000
 # names in the class file that mean tools are declared some other way than the template's
 # own rendering of ``tools`` (Kimi K2.5+: a TypeScript-style declaration built in Python)
 TOOLS_REWRITTEN = ("tools_ts_str", "encode_tools_to_typescript_style")
+KIMI_TOOLS_MODULE = "tool_declaration_ts"  # that declaration's module in the model directory
 
 
 class Unreproducible(ValueError):
@@ -81,7 +87,9 @@ class TokenizerForm(Protocol):
 
     kind: str  # "tokenizer.json" | "tiktoken" | "sim-words"
     sort_tools: bool  # the tokenizer class sorts the tools' keys before rendering (Kimi)
-    tools_rendered: bool  # False: the class declares tools itself (not reproducible here)
+    # who declares a request's tools: "template" (it renders ``tools``), "typescript" (Kimi
+    # K2.5+'s ``tools_ts_str``, gateway.kimi_tools), "unknown" (not reproducible here)
+    tool_declaration: str
 
     def encode(self, text: str, *, prompt: bool) -> list[int]:
         """Token ids of ``text`` as the engine encodes it: a rendered chat prompt
@@ -108,7 +116,7 @@ class HFTokenizerForm:
 
     kind = "tokenizer.json"
     sort_tools = False
-    tools_rendered = True
+    tool_declaration = "template"
 
     def __init__(self, tokenizer: Any) -> None:
         # encode_batch would run on the library's process-wide rayon pool, whose threads take
@@ -141,7 +149,7 @@ class WordForm:
 
     kind = "sim-words"
     sort_tools = False
-    tools_rendered = True
+    tool_declaration = "template"
 
     def encode(self, text: str, *, prompt: bool) -> list[int]:
         return list(word_tokens.encode(text).tolist())
@@ -188,11 +196,11 @@ class TikTokenForm:
 
     kind = "tiktoken"
 
-    def __init__(self, encoding: Any, *, sort_tools: bool, tools_rendered: bool,
+    def __init__(self, encoding: Any, *, sort_tools: bool, tool_declaration: str,
                  slice_chars: int = KIMI_SLICE_CHARS, run_chars: int = KIMI_RUN_CHARS) -> None:
         self.encoding = encoding
         self.sort_tools = sort_tools
-        self.tools_rendered = tools_rendered
+        self.tool_declaration = tool_declaration
         self.slice_chars = slice_chars
         self.run_chars = run_chars
         self._specials: dict[str, int] = {t: encoding.encode_single_token(t) for t in encoding.special_tokens_set}
@@ -390,4 +398,19 @@ def _kimi_form(root: Path, config: Mapping[str, Any]) -> TikTokenForm:
                                      special_tokens=specials)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise Unreproducible("unreadable", f"{root}: {exc}") from exc
-    return TikTokenForm(encoding, sort_tools=declared.sort_tools, tools_rendered=not declared.tools_rewritten)
+    declaration = "template" if not declared.tools_rewritten else \
+        "typescript" if _kimi_tools_known(root / f"{KIMI_TOOLS_MODULE}.py") else "unknown"
+    return TikTokenForm(encoding, sort_tools=declared.sort_tools, tool_declaration=declaration)
+
+
+def _kimi_tools_known(path: Path) -> bool:
+    """``tool_declaration_ts.py`` defines ``encode_tools_to_typescript_style`` with the layout
+    constants ``gateway.kimi_tools`` reproduces (read, never executed)."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    consts = {n.targets[0].id: _const(n.value) for n in tree.body
+              if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)}
+    defined = any(isinstance(n, ast.FunctionDef) and n.name == "encode_tools_to_typescript_style" for n in tree.body)
+    return defined and all(consts.get(k) == v for k, v in kimi_tools.LAYOUT.items())

@@ -69,6 +69,9 @@ class PreciseModels:
     def kind(self, model_dir: str) -> str:
         return self._tokenizers[model_dir].form.kind
 
+    def tool_declaration(self, model_dir: str) -> str:
+        return self._tokenizers[model_dir].form.tool_declaration
+
     def approximate_status(self, replica: ReplicaId) -> dict[str, Any]:
         failure = self._unreproducible.get(replica)
         if failure is not None:

@@ -49,7 +49,7 @@ import jinja2.ext
 import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway import precise_chat
+from gateway import kimi_tools, precise_chat
 from gateway.precise_chat import ChatRequest, NotReproducible
 from gateway.precise_formats import Loaded, TokenizerForm, Unreproducible, load_form
 from gateway.sglang_pages import PageHasher
@@ -169,15 +169,27 @@ class ModelTokenizer:
         """The prompt text SGLang renders for a chat request (tools in its dump; on a failure,
         as SGLang retries: the tools as bare functions)."""
         tools = precise_chat.template_tools(request, self.form.sort_tools)
-        if tools and not self.form.tools_rendered:
-            raise NotReproducible("the tokenizer class declares tools itself")
         messages = precise_chat.template_messages(request, self.content_format)
         try:
-            return self._render(messages, tools, request.kwargs)
+            return self._render(messages, tools, self._declared(tools, request.kwargs))
         except TemplateError:
             if not tools:
                 raise
-            return self._render(messages, [t.get("function", t) for t in tools], request.kwargs)
+            bare = [t.get("function", t) for t in tools]
+            return self._render(messages, bare, self._declared(bare, request.kwargs))
+
+    def _declared(self, tools: list[Any] | None, kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The template's arguments with the tools' declaration when the tokenizer class
+        builds it (Kimi K2.5+: ``tools_ts_str``, unless the request set it)."""
+        declaration = self.form.tool_declaration
+        if not tools or declaration == "template" or "tools_ts_str" in kwargs:
+            return kwargs
+        if declaration != "typescript":
+            raise NotReproducible("the tokenizer class declares tools in a way not known here")
+        try:
+            return {**kwargs, "tools_ts_str": kimi_tools.encode_tools_to_typescript_style(tools)}
+        except Exception as exc:  # a client's schema, whatever it holds: routed approximately
+            raise NotReproducible(f"tool declaration: {type(exc).__name__}") from exc
 
     def render_chat(self, payload: Mapping[str, Any], endpoint: str = "chat") -> str:
         """The chat prompt text SGLang renders for this chat / messages / responses body."""

@@ -22,6 +22,7 @@ INSTALLER = ROOT / "tools" / "sglang_cpu" / "install.sh"
 MODEL_BUILDER = Path(__file__).resolve().with_name("model.py")
 TIKTOKEN_BUILDER = Path(__file__).resolve().with_name("kimi_model.py")
 TIKTOKEN_CLASS = Path(__file__).resolve().with_name("tokenization_kimi.py")
+TIKTOKEN_TOOLS = Path(__file__).resolve().parents[2] / "gateway" / "kimi_tools.py"  # its tool_declaration_ts.py
 INSTALL_TIMEOUT_S = 1800.0
 MODEL_TIMEOUT_S = 600.0
 
@@ -65,8 +66,10 @@ def model_dir_for(python: Path) -> Path:
 
 
 def tiktoken_model_dir_for(python: Path) -> Path:
-    """``<venv's parent>/models/tiny-kimi-<hash of its builder, model.py and the tokenizer class>``."""
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in (TIKTOKEN_BUILDER, MODEL_BUILDER, TIKTOKEN_CLASS)))
+    """``<venv's parent>/models/tiny-kimi-<hash of its builder, model.py, the tokenizer class and
+    the tool declaration>``."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (TIKTOKEN_BUILDER, MODEL_BUILDER, TIKTOKEN_CLASS,
+                                                            TIKTOKEN_TOOLS)))
     return python.parent.parent.parent / "models" / f"tiny-kimi-{key.hexdigest()[:12]}"
 
 

@@ -13,8 +13,10 @@ server loads it exactly as it loads Kimi K2.6 (``--trust-remote-code``):
   +4, ``<|im_system|>`` +10, the tool-call section tokens +11..+15, ``<|im_middle|>`` +17,
   ``[UNK]`` +254, ``[PAD]`` +255; 258 special ids in all);
 - ``tokenization_kimi.py``: this package's own class (:mod:`.tokenization_kimi`);
-- ``chat_template.jinja`` in Kimi's structure: a ``tool_declare`` system turn with the tools
-  as compact JSON, a default system turn, ``<|im_system|>`` / ``<|im_user|>`` /
+- ``tool_declaration_ts.py``: ``gateway/kimi_tools.py``, Kimi K2.5+'s TypeScript-style tool
+  declaration, which the class hands to the template as ``tools_ts_str``;
+- ``chat_template.jinja`` in Kimi's structure: a ``tool_declare`` system turn with
+  ``tools_ts_str`` (the tools as compact JSON without it), a default system turn, ``<|im_system|>`` / ``<|im_user|>`` /
   ``<|im_assistant|>`` role tokens, ``<|im_middle|>`` after the role name, ``<|im_end|>``
   after each turn, tool calls in a ``<|tool_calls_section_begin|>`` section
   (``<|tool_call_begin|>id<|tool_call_argument_begin|>arguments<|tool_call_end|>``), tool
@@ -44,6 +46,7 @@ def _tiny() -> Any:
     return importlib.import_module("model")
 
 CLASS_FILE = Path(__file__).resolve().with_name("tokenization_kimi.py")
+TOOLS_FILE = Path(__file__).resolve().parents[2] / "gateway" / "kimi_tools.py"  # Kimi K2.5+'s tool declaration
 SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
             6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
             11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
@@ -58,7 +61,9 @@ CHAT_TEMPLATE = """\
 {%- endif -%}
 {%- endmacro -%}
 {%- if tools -%}
-<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>
+<|im_system|>tool_declare<|im_middle|>
+{%- if tools_ts_str -%}{{ tools_ts_str }}{%- else -%}{{ tools | tojson(separators=(',', ':')) }}{%- endif -%}
+<|im_end|>
 {%- endif -%}
 {%- if messages | length == 0 or messages[0]['role'] != 'system' -%}
 <|im_system|>system<|im_middle|>You are a tiny test model.<|im_end|>
@@ -113,6 +118,7 @@ def save_tokenizer(ranks: list[bytes], out: Path) -> int:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     shutil.copy(CLASS_FILE, out / "tokenization_kimi.py")
+    shutil.copy(TOOLS_FILE, out / "tool_declaration_ts.py")
     return base
 
 
@@ -142,8 +148,8 @@ def check(path: Path) -> None:
                     {"id": "functions.read:0", "type": "function", "function": {"name": "read", "arguments": {"p": 1}}}]},
                 {"role": "tool", "tool_call_id": "functions.read:0", "content": "ok"}]
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    expected = ('<|im_system|>tool_declare<|im_middle|>[{"function":{"name":"read","parameters":{"type":"object"}},'
-                '"type":"function"}]<|im_end|><|im_system|>system<|im_middle|>You are a tiny test model.<|im_end|>'
+    expected = ('<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n'
+                'type read = (_: {}) => any;\n}\n<|im_end|><|im_system|>system<|im_middle|>You are a tiny test model.<|im_end|>'
                 '<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>'
                 '<|tool_calls_section_begin|><|tool_call_begin|>functions.read:0<|tool_call_argument_begin|>'
                 '{"p": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|><|im_system|>tool<|im_middle|>'

@@ -12,7 +12,9 @@ name and module, ``utils/patch_tokenizer.py``):
 - ``encode(text)`` with no keyword (what SGLang calls) cuts the text in 400,000-character
   slices and each slice inside runs of more than 25,000 whitespace or non-whitespace
   characters, then encodes every piece with ``allowed_special="all"`` (no BOS);
-- ``apply_chat_template`` sorts the tools' keys (``deep_sort_dict``) before rendering.
+- ``apply_chat_template`` sorts the tools' keys (``deep_sort_dict``) and, as Kimi K2.5 and
+  later do, declares them in TypeScript style for the template (``tools_ts_str``, built by
+  the model directory's ``tool_declaration_ts.py``: a copy of ``gateway/kimi_tools.py``).
 
 ``loadtest/sglang_cpu/kimi_model.py`` copies this file into the model directory; it is
 never imported by the project (it needs ``transformers`` and ``tiktoken`` of the SGLang
@@ -164,5 +166,10 @@ class TikTokenTokenizer(_transformers.PreTrainedTokenizer):  # type: ignore[misc
     def apply_chat_template(self, conversation: Any, tools: list[dict[str, Any]] | None = None,
                             tokenize: bool = True, add_generation_prompt: bool = False, **kwargs: Any) -> Any:
         tools = deep_sort_dict(tools)
+        if tools and "tools_ts_str" not in kwargs:  # Kimi K2.5+: tools declared in TypeScript style
+            # (imported here: transformers copies a sibling named by a relative import into its
+            # module cache; the model builder imports this file alone, without that package)
+            from .tool_declaration_ts import encode_tools_to_typescript_style  # type: ignore[import-not-found]
+            kwargs["tools_ts_str"] = encode_tools_to_typescript_style(tools)
         return super().apply_chat_template(conversation, tools=tools, tokenize=tokenize,
                                            add_generation_prompt=add_generation_prompt, **kwargs)

@@ -70,7 +70,7 @@ def test_tiktoken_segments_equal_kimis_encode(kimi: Path, text: str, slice_chars
     tok = ModelTokenizer.from_dir(kimi)
     form = tok.form
     assert isinstance(form, TikTokenForm)
-    small = TikTokenForm(form.encoding, sort_tools=True, tools_rendered=True, slice_chars=slice_chars,
+    small = TikTokenForm(form.encoding, sort_tools=True, tool_declaration="typescript", slice_chars=slice_chars,
                          run_chars=run_chars)
     tok.form = small
     expected = kimi_encode(form.encoding, text, slice_chars, run_chars)
@@ -82,7 +82,7 @@ def test_tiktoken_segments_equal_kimis_encode(kimi: Path, text: str, slice_chars
 def test_the_kimi_layout(kimi: Path) -> None:
     tok = ModelTokenizer.from_dir(kimi)
     form = tok.form
-    assert isinstance(form, TikTokenForm) and form.sort_tools and form.tools_rendered
+    assert isinstance(form, TikTokenForm) and form.sort_tools and form.tool_declaration == "typescript"
     base = len(read_ranks(kimi / "tiktoken.model"))
     specials = form.split_tokens()
     assert len(specials) == 258 and specials["[BOS]"] == base and specials["<|im_end|>"] == base + 2
@@ -91,8 +91,13 @@ def test_the_kimi_layout(kimi: Path) -> None:
     assert tok.content_format == "openai" and tok.inline_system
 
 
-def test_tools_are_sorted_and_rendered_as_the_engine_dumps_them(kimi: Path) -> None:
-    tok = ModelTokenizer.from_dir(kimi)
+def test_tools_are_sorted_and_rendered_as_the_engine_dumps_them(tmp_path: Path) -> None:
+    """A Kimi K2 class that leaves the tools to the template (no TypeScript declaration)."""
+    source = "\n".join(line for line in CLASS_FILE.read_text().splitlines()
+                       if "tool_declaration_ts import" not in line and "tools_ts_str" not in line.split("#")[0]
+                       and not line.strip().startswith("# (imported here") and "module cache;" not in line)
+    tok = ModelTokenizer.from_dir(write_kimi_model(tmp_path / "k2", class_source=source))
+    assert tok.form.tool_declaration == "template"
     text = tok.render_chat({"messages": [{"role": "user", "content": "hi"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2}, "strict": True}}]})
     assert text.startswith('<|im_system|>tool_declare<|im_middle|>[{"defer_loading":null,"function":'
@@ -145,11 +150,26 @@ def test_unreproducible_directories_name_their_reason(tmp_path: Path) -> None:
     assert reason(garbled) == "unreadable"
 
 
-def test_a_class_that_declares_tools_itself_routes_tool_requests_approximately(tmp_path: Path) -> None:
-    source = CLASS_FILE.read_text() + "\n\ndef encode_tools_to_typescript_style(tools):\n    return ''\n"
-    tok = ModelTokenizer.from_dir(write_kimi_model(tmp_path / "k25", class_source=source))
-    assert not tok.form.tools_rendered
+def test_kimi_k25_tool_declarations_are_rendered_as_the_class_renders_them(tmp_path: Path) -> None:
+    """The class declares tools in TypeScript style (``tools_ts_str``): with the model's
+    ``tool_declaration_ts.py`` in the layout known here, the prompt holds that declaration;
+    a schema it cannot declare, or a declaration module not known here, is approximate."""
+    tok = ModelTokenizer.from_dir(write_kimi_model(tmp_path / "k26"))
+    assert tok.form.tool_declaration == "typescript"
     plain = {"messages": [{"role": "user", "content": "hi"}]}
-    assert tok.prompt_segments("chat", plain)  # without tools: exact
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["b"]}}}]
+    text = tok.render_chat({**plain, "tools": tools})
+    assert "tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n" \
+           "type f = (_: {\n  b: number,\n  a?: string\n}) => any;\n}\n<|im_end|>" in text
+    assert tok.prompt_segments("chat", {**plain, "tools": tools})
+    with pytest.raises(NotReproducible):  # an unresolved $ref: never a guessed declaration
+        tok.prompt_segments("chat", {**plain, "tools": [{"type": "function", "function": {
+            "name": "g", "parameters": {"type": "object", "properties": {"x": {"$ref": "#/definitions/X"}}}}}]})
+    (tmp_path / "k26" / "tool_declaration_ts.py").write_text("_TS_INDENT = '    '\n"
+                                                             "def encode_tools_to_typescript_style(tools): ...\n")
+    other = ModelTokenizer.from_dir(tmp_path / "k26")
+    assert other.form.tool_declaration == "unknown"
+    assert other.prompt_segments("chat", plain)  # without tools: exact
     with pytest.raises(NotReproducible):
-        tok.prompt_segments("chat", {**plain, "tools": [{"type": "function", "function": {"name": "f"}}]})
+        other.prompt_segments("chat", {**plain, "tools": tools})

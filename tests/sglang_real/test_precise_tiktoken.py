@@ -3,8 +3,9 @@
 The server loads the tiny TikToken-form model (``loadtest/sglang_cpu/kimi_model.py``:
 ``tiktoken.model``, ``tokenization_kimi.TikTokenTokenizer`` written here, loaded with
 ``--trust-remote-code`` as SGLang loads Kimi's; a chat template in Kimi's structure) and
-publishes KV events; one gateway process (``kvgate serve``) subscribes. Multi-turn
-sessions over the three APIs an agent speaks, tool calls and tool results included:
+publishes KV events; one gateway process (``kvgate serve``) subscribes. The model declares
+tools as Kimi K2.5+ does (TypeScript style, ``tools_ts_str``). Multi-turn sessions over the
+three APIs an agent speaks, tool calls and tool results included:
 
 - ``/v1/chat/completions`` with ``tools``, assistant ``tool_calls`` and ``tool`` messages;
 - ``/v1/messages`` with tools, ``tool_use`` and ``tool_result`` blocks;
@@ -51,7 +52,19 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "
                                             "parameters": {"type": "object", "required": ["path"],
                                                            "properties": {"path": {"type": "string"}}}}},
          {"type": "function", "function": {"parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
-                                            "name": "grep", "strict": True}}]
+                                            "name": "grep", "strict": True}},
+         {"type": "function", "function": {  # shaped like a coding agent's: every part of the TypeScript form
+             "name": "Bash", "description": "Run a command.\n\nUse with care.",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["command"],
+                            "$defs": {"Env": {"type": "object", "description": "variables",
+                                              "additionalProperties": {"type": "string"}}},
+                            "properties": {
+                                "command": {"type": "string", "description": "the command", "maxLength": 2000},
+                                "timeout": {"type": "integer", "minimum": 1, "default": 120},
+                                "mode": {"type": "string", "enum": ["fg", "bg"]},
+                                "env": {"$ref": "#/$defs/Env"},
+                                "files": {"type": "array", "items": {"type": "string", "description": "a path"}},
+                                "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}}]
 ANTHROPIC_TOOLS = [{"name": "read_file", "description": "Read a file.",
                     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
                    {"name": "bash", "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
@@ -180,3 +193,4 @@ def test_predictions_equal_the_engine_for_chat_messages_and_responses_with_tools
 def test_the_admin_view_shows_the_tiktoken_form(gateway: Gateway, server: SGLangServer) -> None:
     replica = gateway.replicas()[server.url]
     assert replica["precise"]["mode"] == "precise" and replica["precise"]["tokenizer"] == "tiktoken", replica
+    assert replica["precise"]["tool_declaration"] == "typescript", replica  # Kimi K2.5+'s tools_ts_str
