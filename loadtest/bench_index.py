@@ -21,7 +21,12 @@ and random chains filling each replica to its capacity. Measured:
 new session's first turn (the placement and new-session terms apply). ``--with-policy``:
 the timed decisions also run that decision over the index's matches. ``--churn N``: N
 records of new chains on one full compact replica (each evicts as many blocks: the table
-work the compact store bounds per call). Results: docs/results-cost.md.
+work the compact store bounds per call). ``--switch``: the default index's one-time
+conversion from the segment to the compact representation when its 32nd replica joins 31
+full ones. ``--truncated``: after the fill, one feedback truncation on every replica.
+Embedded backends (``--backends``): ``memory`` (the default configuration: its
+representation chosen by fleet size), ``compact`` and ``segments`` (each representation
+forced). Results: docs/results-cost.md, docs/benchmarks.md section 5.1.
 """
 from __future__ import annotations
 
@@ -49,7 +54,9 @@ from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, Replica
 from prefix_index.compact import CompactPrefixIndex
 from prefix_index.config import IndexConfig
 from prefix_index.factory import make_index
+from prefix_index.local_index import COMPACT_FROM_REPLICAS, FleetSizedIndex
 from prefix_index.redis_backend import RedisPrefixIndex
+from prefix_index.segments import SegmentPrefixIndex
 from replicas.model import ReplicaState, ReplicaView
 
 
@@ -187,13 +194,18 @@ def _redis_cpu(client: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-EMBEDDED = ("memory", "compact")
+EMBEDDED = ("memory", "segments", "compact")
 
 
 def embedded_index(backend: str) -> PrefixIndex:
-    """The embedded backend exactly as the gateway builds it (``prefix_index.factory``)."""
+    """The embedded backend exactly as the gateway builds it (``prefix_index.factory``):
+    ``memory`` is the default configuration (its representation chosen by fleet size),
+    ``compact`` forces the compact representation; ``segments`` forces the segment one
+    (no configuration does: the default's representation below its threshold)."""
     if backend not in EMBEDDED:
         raise ValueError(f"not an embedded backend: {backend!r}")
+    if backend == "segments":
+        return SegmentPrefixIndex()
     return make_index(IndexConfig.model_validate({"backend": backend}))
 
 
@@ -212,15 +224,30 @@ def policy_decider(w: IndexWorkload) -> Decide:
     return decide
 
 
+async def truncate_others(index: PrefixIndex, w: IndexWorkload, seed: int = 3) -> None:
+    """``--truncated``: on every replica one session's chain (the shared prompt + 100 blocks)
+    recorded, then truncated to 80 blocks by feedback: a gap on a chain the request does
+    not hold, on every replica."""
+    rng = random.Random(seed)
+    for rid in w.replicas:
+        chain = w.shared + [rng.getrandbits(64) for _ in range(100)]
+        await index.record(rid, chain)
+        await index.truncate(rid, chain, 80)
+
+
 async def bench_embedded(backend: str, w: IndexWorkload, n: int, turn_blocks: int,
-                         freeze: bool, with_policy: bool = False) -> dict[str, float]:
+                         freeze: bool, with_policy: bool = False, truncated: bool = False) -> dict[str, float]:
     """Fill, then time lookups and decisions; RSS is the process's growth over the fill
     (``freeze``: ``gc.freeze()`` after it, as a gateway would after start-up)."""
     gc.collect()
     rss0, t0 = _rss_bytes(), time.perf_counter()
     index = embedded_index(backend)
     await populate(index, w)
+    if truncated:
+        await truncate_others(index, w)
     fill_s = time.perf_counter() - t0
+    if isinstance(index, FleetSizedIndex):
+        print(f"{backend}: {len(w.replicas)} replicas -> the {index.representation} representation")
     gc.collect()
     if freeze:
         gc.freeze()
@@ -369,11 +396,38 @@ def bench_churn(blocks: int, chain_blocks: int, records: int, seed: int = 0) -> 
             "moved_per_call_mean": sum(moved) / len(moved)}
 
 
+async def bench_switch(w: IndexWorkload) -> dict[str, float]:
+    """``--switch``: the default index filled on ``COMPACT_FROM_REPLICAS - 1`` replicas of the
+    workload (the segment representation; ``--replicas`` is not used), then the write that
+    adds one more replica and converts it to the compact one: its wall and CPU time, and
+    RSS before and after."""
+    index = make_index(IndexConfig())
+    assert isinstance(index, FleetSizedIndex)
+    gc.collect()
+    rss0 = _rss_bytes()
+    for i in range(COMPACT_FROM_REPLICAS - 1):
+        rid = ReplicaId(f"http://10.0.0.{i}:30000")
+        await index.set_capacity(rid, w.capacity)
+        for chain in w.fills(i):
+            await index.record(rid, chain)
+    gc.collect()
+    rss1 = _rss_bytes()
+    t, c = time.perf_counter(), time.process_time()
+    await index.set_capacity(ReplicaId("http://10.0.1.0:30000"), w.capacity)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    if index.representation != "compact":
+        raise RuntimeError("the default index did not switch")
+    gc.collect()
+    return {"switch_ms": wall * 1e3, "switch_cpu_ms": cpu * 1e3, "rss_segments_mb": (rss1 - rss0) / 2**20,
+            "rss_compact_mb": (_rss_bytes() - rss0) / 2**20}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=64)
     parser.add_argument("--tokens-per-replica", type=int, default=2_000_000, help="device KV tokens per replica")
     parser.add_argument("--host-tokens-per-replica", type=int, default=0, help="host (HiCache) KV tokens per replica")
-    parser.add_argument("--backends", default="memory,compact", help="embedded backends to measure")
+    parser.add_argument("--backends", default="memory,compact",
+                        help="embedded backends to measure: memory (the default configuration), compact, segments")
     parser.add_argument("--no-gc-freeze", action="store_true", help="do not gc.freeze() after the fill")
     parser.add_argument("--block-tokens", type=int, default=64)
     parser.add_argument("--chain-blocks", type=int, default=1500, help="request size in blocks (1,500 = ~100k tokens)")
@@ -386,6 +440,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only time the cache-aware decision (no index) at these fleet sizes")
     parser.add_argument("--with-policy", action="store_true",
                         help="embedded backends: the timed decision includes the cache-aware policy's decide")
+    parser.add_argument("--truncated", action="store_true",
+                        help="embedded backends: after the fill, one feedback truncation on every replica "
+                             "(of a chain the request does not hold)")
+    parser.add_argument("--switch", action="store_true",
+                        help=f"only time the default index's switch to the compact representation when a "
+                             f"replica joins {COMPACT_FROM_REPLICAS - 1} filled ones")
     parser.add_argument("--churn", type=int, default=0, metavar="RECORDS",
                         help="only time RECORDS records of --chain-blocks new blocks on one compact replica "
                              "of (--tokens-per-replica + --host-tokens-per-replica) tokens")
@@ -408,13 +468,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     w = make_workload(args.replicas, args.tokens_per_replica // bt, args.chain_blocks, args.sessions,
                       host_blocks_per_replica=args.host_tokens_per_replica // bt)
+    if args.switch:
+        res = asyncio.run(bench_switch(w))
+        print("switch " + "  ".join(f"{k}={v:,.1f}" for k, v in res.items()))
+        print("load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        return 0
     print(f"index: {args.replicas} replicas x ({w.capacity.device_blocks} device + {w.capacity.host_blocks} host) "
           f"blocks; request: {len(w.request)} blocks; {args.iterations} lookups")
     n, turn = args.iterations, args.turn_blocks
     results: dict[str, dict[str, float]] = {}
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         t0 = time.perf_counter()
-        results[backend] = asyncio.run(bench_embedded(backend, w, n, turn, not args.no_gc_freeze, args.with_policy))
+        results[backend] = asyncio.run(bench_embedded(backend, w, n, turn, not args.no_gc_freeze, args.with_policy,
+                                                      args.truncated))
         results[backend]["bench_s"] = time.perf_counter() - t0
     if not args.skip_redis:
         results.update(_with_redis(args.redis_url, lambda url: asyncio.run(bench_redis(w, n, url, turn))))

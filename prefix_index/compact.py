@@ -13,15 +13,21 @@ replicas holding block 0, then (chains, ``assume_chains``, the default: the gate
 hashes are chains) a vectorized k-ary search over all of them at once finds each one's
 held prefix and device prefix (both are prefixes along a chain: a parent is always more
 recent than its child), ``SEARCH_POINTS`` probes a replica per round, ~3 rounds for a
-1,500-block chain, whatever the fleet size. A replica with *gaps* (``truncate`` removed a
-block whose descendants may remain) and every replica when ``assume_chains=False`` are
-checked block by block (one vectorized probe of the whole chain per replica), exact for
-any hash list; recording the removed blocks again clears the gaps.
+1,500-block chain, whatever the fleet size. Every replica when ``assume_chains=False``, and
+a replica with a *gap* on the requested chain, are checked block by block (one vectorized
+probe of the whole chain per replica), exact for any hash list. A replica's gaps are the
+blocks ``truncate`` removed from it (their descendants on other chains may remain held);
+recording a block again clears it. Along a chain holding none of a replica's gaps its held
+blocks are a prefix (eviction takes a child before its parent), so only such a chain is
+walked, and only on the replicas whose gaps it holds (``_gap_counts`` finds them in one
+pass over the chain), not for every lookup (docs/benchmarks.md, section 5.1, "Truncation
+gaps"). A replica keeps at most ``max(its capacity in blocks, GAPS_MIN)`` gaps: past that
+it is walked on every lookup and its gaps are dropped (bounded memory, still exact).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,12 +50,16 @@ _NONE = np.int64(1 << 62)  # a boundary no position reaches: nothing on device
 _EMPTY = PrefixMatch()
 
 
+GAPS_MIN = 4096  # gaps kept per replica at least (beyond its capacity in blocks: walked instead)
+
+
 @dataclass(slots=True)
 class _Replica:
     slot: int
     capacity: ReplicaCapacity
     boundary: int = 0  # log position from which blocks are on device
     gaps: set[BlockHash] = field(default_factory=set)
+    walk_all: bool = False  # gaps beyond the bound: walked block by block, gaps no longer kept
 
     @property
     def total(self) -> int:
@@ -73,11 +83,12 @@ class CompactPrefixIndex(EmbeddedMethods):
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._free_slots: list[int] = []
         # per slot, mirrored from the replicas for vectorized reads: the device boundary,
-        # and whether the replica is walked block by block (gaps, or no chain assumption)
+        # and whether the replica is always walked block by block (no chain assumption)
         self._bound = np.zeros(self._store.rows, dtype=np.int64)
         self._walks = np.full(self._store.rows, not assume_chains, dtype=np.bool_)
         self._rows_cache: tuple[tuple[ReplicaId, ...], I64, list[ReplicaId]] | None = None
         self._memo: dict[tuple[int, int], PrefixMatch] = {}
+        self._gap_counts: dict[BlockHash, int] = {}  # gap block -> replicas with it in their gaps
         self.sessions = SessionTable(session_ttl_s, clock, max_sessions)
 
     # -- reads -------------------------------------------------------------------
@@ -89,6 +100,9 @@ class CompactPrefixIndex(EmbeddedMethods):
             return out
         idx = np.flatnonzero(self._store.find(rows, np.full(rows.size, keys[0], dtype=np.uint64)) >= 0)
         walked = self._walks[rows[idx]]
+        if self._gap_counts and (hit := set(filter(self._gap_counts.__contains__, hashes))):
+            gapped = [st.slot for st in self._replicas.values() if st.gaps and not st.gaps.isdisjoint(hit)]
+            walked = walked | np.isin(rows[idx], gapped)
         for i in idx[walked].tolist():
             out[rids[i]] = self._walk(keys, self._replicas[rids[i]])
         searched = idx[~walked]
@@ -215,8 +229,11 @@ class CompactPrefixIndex(EmbeddedMethods):
         keys = as_hashes(hashes)
         if keys.size == 0:
             return
-        uniq, first = np.unique(keys, return_index=True)
-        chain = uniq[np.argsort(first)]  # distinct blocks, most recent (block 0) first
+        if len(set(hashes)) == keys.size:  # a chain: distinct (a set costs less than a sort)
+            chain = keys
+        else:
+            uniq, first = np.unique(keys, return_index=True)
+            chain = uniq[np.argsort(first)]  # distinct blocks, most recent (block 0) first
         store, r, total = self._store, st.slot, st.total
         keep, drop = chain[:total], chain[total:]  # beyond the capacity: evicted at once
         if drop.size:
@@ -226,17 +243,39 @@ class CompactPrefixIndex(EmbeddedMethods):
         excess = int(store.live[r]) - held.size + keep.size - total  # others that must go
         if excess > 0:  # deleting others moves no slot: ``found`` stays valid
             oldest = store.oldest_live(r, excess + held.size)
-            others = oldest[~np.isin(oldest, held - 1)][:excess]
+            mine = np.zeros(int(store.head[r]), dtype=np.bool_)  # the chain's own positions
+            mine[held - 1] = True
+            others = oldest[~mine[oldest]][:excess]
             store.delete(r, store.log[r * store.L + others])
         store.append(r, keep[::-1], found[::-1])  # oldest first: block 0 ends most recent
         if st.gaps:
-            st.gaps.difference_update(hashes)
+            self._gaps_filled(st, st.gaps.intersection(hashes))
         dcap = max(st.capacity.device_blocks, 0)
         if 0 < dcap <= keep.size:  # the newest positions are this chain's, all live
             st.boundary = int(store.head[r]) - dcap
             self._sync(st)
         else:
             self._rebalance(st)
+
+    def load(self, replica: ReplicaId, capacity: ReplicaCapacity, blocks: Sequence[BlockHash],
+             gaps: set[BlockHash]) -> None:
+        """Take a replica's whole recency list at once (converting another representation):
+        ``blocks`` distinct, least recent first, at most ``capacity``; ``gaps``: missing
+        blocks whose descendants are held (the replica is walked block by block until they
+        are recorded again, as after ``truncate``). Replaces what the replica held."""
+        known = replica in self._replicas
+        st = self._replica(replica)
+        st.capacity = capacity
+        self._fit(st.total)
+        if known:
+            self._store.clear(st.slot)
+        keys = as_hashes(blocks)[-st.total:] if st.total else as_hashes(())
+        self._store.append(st.slot, keys, np.full(keys.size, -1, dtype=np.int64))  # an empty row: none found
+        self._gaps_filled(st, set(st.gaps))
+        st.walk_all = False
+        if self._chains:
+            self._gaps_made(st, gaps)
+        self._place(st)
 
     async def truncate(self, replica: ReplicaId, hashes: Sequence[BlockHash], keep_blocks: int) -> None:
         st = self._replicas.get(replica)
@@ -248,7 +287,7 @@ class CompactPrefixIndex(EmbeddedMethods):
             removed = np.unique(gone[pos >= 0])  # a hash list may repeat a block
             self._store.delete(st.slot, removed)
             if self._chains:  # their descendants on other chains may stay: gaps
-                st.gaps.update(removed.tolist())
+                self._gaps_made(st, removed.tolist())
         self._rebalance(st)
 
     async def set_capacity(self, replica: ReplicaId, capacity: ReplicaCapacity) -> None:
@@ -259,6 +298,7 @@ class CompactPrefixIndex(EmbeddedMethods):
     async def remove_replica(self, replica: ReplicaId) -> None:
         st = self._replicas.pop(replica, None)
         if st is not None:
+            self._gaps_filled(st, set(st.gaps))
             self._store.clear(st.slot)
             self._free_slots.append(st.slot)
             self._rows_cache = None
@@ -304,7 +344,32 @@ class CompactPrefixIndex(EmbeddedMethods):
 
     def _sync(self, st: _Replica) -> None:
         self._bound[st.slot] = st.boundary
-        self._walks[st.slot] = bool(st.gaps) or not self._chains
+        self._walks[st.slot] = not self._chains or st.walk_all
+
+    def _gaps_made(self, st: _Replica, blocks: Iterable[BlockHash]) -> None:
+        """``blocks`` are gaps of ``st``. Bounded: past ``max(st.total, GAPS_MIN)`` gaps the
+        replica is walked block by block on every lookup (exact for any hash list, as
+        without the chain assumption) and its gaps are dropped, until ``load`` replaces it."""
+        if st.walk_all:
+            return
+        counts = self._gap_counts
+        for h in set(blocks) - st.gaps:
+            counts[h] = counts.get(h, 0) + 1
+            st.gaps.add(h)
+        if len(st.gaps) > max(st.total, GAPS_MIN):
+            self._gaps_filled(st, set(st.gaps))
+            st.walk_all = True
+            self._sync(st)
+
+    def _gaps_filled(self, st: _Replica, blocks: set[BlockHash]) -> None:
+        """``blocks`` (among ``st.gaps``) are gaps no more."""
+        counts = self._gap_counts
+        for h in blocks:
+            st.gaps.discard(h)
+            if counts[h] == 1:
+                del counts[h]
+            else:
+                counts[h] -= 1
 
 
 def _points(lo: I64, hi: I64, j: I64) -> I64:

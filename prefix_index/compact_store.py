@@ -114,13 +114,12 @@ class RowStore:
         if rows <= self.rows:
             return
         new = max(rows, 2 * self.rows)
-        extra = new - self.rows
-        self.log = np.concatenate([self.log, np.zeros(extra * self.L, dtype=np.uint64)])
-        self.alive = np.concatenate([self.alive, np.zeros(extra * self.L, dtype=np.bool_)])
-        self.table = np.concatenate([self.table, np.zeros(extra * self.S, dtype=np.int32)])
-        self.over = np.concatenate([self.over, np.zeros(extra * self.S // BUCKET, dtype=np.int32)])
-        for name in ("head", "live", "sweep"):
-            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype=np.int64)]))
+        for name, per_row in (("log", self.L), ("alive", self.L), ("table", self.S), ("over", self.S // BUCKET),
+                              ("head", 1), ("live", 1), ("sweep", 1)):
+            old = getattr(self, name)
+            grown = np.zeros(new * per_row, dtype=old.dtype)  # the new rows' pages stay untouched
+            grown[:old.size] = old
+            setattr(self, name, grown)
         self.rows = new
 
     def reshaped(self, capacity_blocks: int) -> RowStore:

@@ -15,9 +15,10 @@ class IndexConfig(BaseModel):
     backend: Literal["memory", "compact", "redis"] = Field(
         default="memory",
         description=(
-            "memory: the embedded index; compact: the embedded index in flat arrays (hash -> replica "
-            "bitmask with tier bits: ~17.5 B per block, a lookup that does not walk every replica; for "
-            "fleets of 64+ replicas, see docs/results-cost.md); redis: shared by several gateways"
+            "memory: the embedded index, its representation chosen by fleet size (segments below 32 "
+            "replicas; from 32 on flat arrays, ~18 B per block and a lookup that does not walk every replica: "
+            "prefix_index/local_index.py); compact: the flat arrays at any fleet size; redis: shared by "
+            "several gateways"
         ),
     )
     mode: Literal["auto", "approximate"] = Field(
@@ -122,6 +123,12 @@ class IndexConfig(BaseModel):
     )
     redis_flush_interval_s: float = Field(default=0.002, gt=0, description="write-behind: max wait before a flush")
     redis_queue_max: int = Field(default=10000, ge=1, description="write-behind: queued writes kept (oldest dropped)")
+    redis_visible_wait_s: float = Field(
+        default=0.25, ge=0,
+        description="write-behind: a response's last byte waits at most this long for the writes this gateway "
+        "queued before it to reach Redis, so other gateways see a turn before its next one (seconds; a longer "
+        "wait is counted as degraded; 0: never wait)",
+    )
     redis_max_connections: int = Field(
         default=100, ge=1, description="Redis connections per process; beyond, a call waits (within its budget)"
     )

@@ -44,8 +44,9 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Sequence
-from itertools import repeat
+from collections.abc import Callable, Iterator, Sequence
+from itertools import compress, repeat
+from operator import is_
 
 from prefix_index.base import BlockHash, PrefixMatch, ReplicaCapacity, ReplicaId
 from prefix_index.embedded import EmbeddedMethods
@@ -122,8 +123,8 @@ class _SegmentLane:
     def owned(self, seg: _Segment, x: int, y: int, holder: _Segment) -> list[BlockHash]:
         """The blocks of ``seg``'s chain at depths ``[x, y)`` that ``where`` gives to
         ``holder`` (a slot whose block moved elsewhere is not its own)."""
-        where = self.where
-        return [h for h in seg.chain[x - seg.off: y - seg.off] if where.get(h) is holder]
+        run = seg.chain[x - seg.off: y - seg.off]
+        return list(compress(run, map(is_, map(self.where.get, run), repeat(holder))))  # C loops
 
     def point(self, seg: _Segment, was: _Segment) -> None:
         """Re-point ``where`` at ``seg`` for the blocks of its run that ``was`` held."""
@@ -132,10 +133,32 @@ class _SegmentLane:
     @staticmethod
     def compact(seg: _Segment) -> None:
         """A run much shorter than the chain it points into gets its own copy, so a long
-        chain is not kept alive for a few of its blocks."""
+        chain is not kept alive for a few of its blocks. The copy starts one block early
+        (the run's parent, when it has one): ``held_oldest_first`` reads it."""
         run = seg.hi - seg.lo
         if len(seg.chain) > COMPACT_MIN and run < COMPACT_BELOW * len(seg.chain):
-            seg.chain, seg.off = tuple(seg.chain[seg.lo - seg.off: seg.hi - seg.off]), seg.lo
+            start = max(seg.lo - 1, seg.off)
+            seg.chain, seg.off = tuple(seg.chain[start - seg.off: seg.hi - seg.off]), start
+
+    def held_oldest_first(self) -> tuple[list[BlockHash], set[BlockHash]]:
+        """The recency list, least recent block first, and the *gaps*: the missing parents
+        of held runs (what a truncation removed in front of blocks still held; no chain
+        reaches those blocks until their parents are recorded again)."""
+        where, head = self.where, self.head
+        blocks: list[BlockHash] = []
+        gaps: set[BlockHash] = set()
+        seg = head.newer
+        while seg is not head:
+            run = self.owned(seg, seg.lo, seg.hi, seg)
+            run.reverse()  # within a segment the deepest block is the least recent
+            blocks.extend(run)
+            if seg.lo > seg.off:  # the run's parent (depth lo - 1) is in the chain
+                parent = seg.chain[seg.lo - 1 - seg.off]
+                holder = where.get(parent)
+                if holder is None or not holder.lo <= seg.lo - 1 < holder.hi:
+                    gaps.add(parent)
+            seg = seg.newer
+        return blocks, gaps
 
     def drop_oldest(self, count: int) -> None:
         """Drop the ``count`` least recent blocks (the oldest segments' deepest)."""
@@ -200,6 +223,16 @@ class SegmentPrefixIndex(EmbeddedMethods):
 
     def tier_blocks(self) -> dict[ReplicaId, tuple[int, int]]:
         return {rid: (lane.n_dev, lane.n_host) for rid, lane in self._lanes.items()}
+
+    def replica_count(self) -> int:
+        return len(self._lanes)
+
+    def lanes(self) -> Iterator[tuple[ReplicaId, ReplicaCapacity, list[BlockHash], set[BlockHash]]]:
+        """Per replica: its capacity, its blocks least recent first and its gaps
+        (``_SegmentLane.held_oldest_first``): what another representation needs to take
+        the index over (``prefix_index.local_index.FleetSizedIndex``)."""
+        for rid, lane in self._lanes.items():
+            yield (rid, lane.capacity, *lane.held_oldest_first())
 
     # -- writes ------------------------------------------------------------------
     def record_now(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:

@@ -17,11 +17,11 @@ from prefix_index.base import (
 )
 from prefix_index.compact import CompactPrefixIndex
 from prefix_index.config import IndexConfig
-from prefix_index.local_index import embedded_index
+from prefix_index.local_index import FleetSizedIndex, embedded_index
 from prefix_index.redis_backend import RedisPrefixIndex
 from tests.support.redis_server import redis_server
 
-BACKENDS = ["memory", "memory-walk", "compact", "redis", "redis-exact", "redis-write-behind"]
+BACKENDS = ["memory", "memory-walk", "memory-large", "compact", "redis", "redis-exact", "redis-write-behind"]
 MakeIndex = Callable[..., Awaitable[PrefixIndex]]
 
 
@@ -69,6 +69,9 @@ async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[MakeIndex]
         index: PrefixIndex
         if backend in ("memory", "memory-walk"):  # memory: as the factory builds it (the segment index)
             index = embedded_index(cfg, chains=backend == "memory")
+        elif backend == "memory-large":  # the default index past its fleet-size threshold (at once)
+            index = FleetSizedIndex(cfg.session_ttl_s, cfg.default_capacity, max_sessions=cfg.max_sessions,
+                                    compact_from=1)
         elif backend == "compact":
             index = CompactPrefixIndex(cfg.session_ttl_s, cfg.default_capacity, max_sessions=cfg.max_sessions)
         else:

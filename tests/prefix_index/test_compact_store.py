@@ -164,3 +164,66 @@ def test_a_truncation_listing_a_block_twice_forgets_it_once() -> None:
         assert_probe_counts_exact(index._store)
 
     asyncio.run(run())
+
+
+def test_only_chains_through_a_truncation_gap_are_walked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A truncation leaves gaps on its replica; a lookup walks that replica block by block
+    only for a chain holding one of them, and the answers stay those of the per-block model."""
+    index = CompactPrefixIndex(default_capacity=ReplicaCapacity(500, 500))
+    ref = MemoryPrefixIndex(default_capacity=ReplicaCapacity(500, 500))
+    rng = random.Random(11)
+    shared = [rng.getrandbits(64) for _ in range(16)]
+    reps = [ReplicaId(f"r{i}") for i in range(8)]
+    probe = shared + [rng.getrandbits(64) for _ in range(40)]
+    walked: list[int] = []
+    real_walk = index._walk
+    monkeypatch.setattr(index, "_walk", lambda keys, st: walked.append(st.slot) or real_walk(keys, st))
+
+    async def run() -> None:
+        for i, r in enumerate(reps):
+            for idx in (index, ref):
+                await idx.record(r, probe[: 20 + i])
+                other = shared + [rng.getrandbits(64) for _ in range(30)]
+                await idx.record(r, other)
+                await idx.truncate(r, other, 20)  # a gap on a chain the probe does not hold
+        assert await index.match(probe, reps) == await ref.match(probe, reps)
+        assert walked == []
+        for idx in (index, ref):
+            await idx.truncate(reps[3], probe, 18)  # a gap on the probe's own chain
+        assert await index.match(probe, reps) == await ref.match(probe, reps)
+        assert walked == [index._replicas[reps[3]].slot]
+        for idx in (index, ref):
+            await idx.record(reps[3], probe[:30])  # recorded again: the gap is filled
+        walked.clear()
+        assert await index.match(probe, reps) == await ref.match(probe, reps)
+        assert walked == []
+
+    asyncio.run(run())
+
+
+def test_a_replicas_gaps_are_bounded_and_it_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Endless truncations do not grow a replica's gaps past its capacity in blocks: past
+    the bound it is walked block by block (its gaps dropped), and the answers stay those
+    of the per-block model; ``load`` (a conversion) starts it afresh."""
+    monkeypatch.setattr(compact, "GAPS_MIN", 4)
+    cap = ReplicaCapacity(8, 8)
+    index, ref = CompactPrefixIndex(default_capacity=cap), MemoryPrefixIndex(default_capacity=cap)
+    replica = ReplicaId("r")
+    rng = random.Random(5)
+    chains = [[rng.getrandbits(64) for _ in range(6)] for _ in range(40)]
+
+    async def run() -> None:
+        for chain in chains:
+            for idx in (index, ref):
+                await idx.record(replica, chain)
+                await idx.truncate(replica, chain, 2)  # 4 gaps a chain
+            st_ = index._replicas[replica]
+            assert len(st_.gaps) <= max(st_.total, compact.GAPS_MIN)
+            assert sum(index._gap_counts.values()) == len(st_.gaps)
+        assert index._replicas[replica].walk_all and not index._gap_counts
+        for chain in chains[-3:]:
+            assert await index.match(chain, [replica]) == await ref.match(chain, [replica])
+        index.load(replica, cap, chains[-1][:2], set())
+        assert not index._replicas[replica].walk_all
+
+    asyncio.run(run())

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from prefix_index.base import PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
 from prefix_index.config import IndexConfig
 from prefix_index.factory import make_index
+from prefix_index.local_index import FleetSizedIndex
 from prefix_index.redis_backend import RedisPrefixIndex
 from prefix_index.segments import SegmentPrefixIndex
 from tests.support.procs import free_port
@@ -64,7 +65,7 @@ async def clean(redis_url: str) -> AsyncIterator[redis.Redis]:
 
 
 def test_factory_picks_backend(redis_url: str) -> None:
-    assert isinstance(make_index(IndexConfig()), SegmentPrefixIndex)
+    assert isinstance(make_index(IndexConfig()), FleetSizedIndex)
     assert isinstance(make_index(IndexConfig(redis_url=redis_url)), RedisPrefixIndex)
     with pytest.raises(ValueError):
         make_index(IndexConfig(backend="redis"))

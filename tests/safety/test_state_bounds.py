@@ -21,8 +21,8 @@ from policies.registry import make_policy
 from prefix_index.base import SessionEntry
 from prefix_index.config import IndexConfig
 from prefix_index.factory import make_index
+from prefix_index.local_index import FleetSizedIndex
 from prefix_index.memory import MemoryPrefixIndex
-from prefix_index.segments import SegmentPrefixIndex
 from prefix_index.session_table import SessionTable
 from tests.integration.conftest import metric_value, start_gateway
 from tests.policies.support import ctx, rid, view
@@ -54,7 +54,7 @@ def test_session_table_bound_evicts_lru_and_counts_only_evictions() -> None:
 
 async def test_configured_bound_reaches_the_embedded_index_and_its_stats() -> None:
     index = make_index(IndexConfig(max_sessions=25))
-    assert isinstance(index, SegmentPrefixIndex)
+    assert isinstance(index, FleetSizedIndex)
     for i in range(100):
         await index.set_session(f"user:{i}", SessionEntry(rid(0), 10, float(i)))
     stats = await index.stats()
