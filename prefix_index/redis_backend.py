@@ -20,7 +20,9 @@ and queue the Redis write (``prefix_index/write_behind.py``: bounded, one drain 
 pipeline a batch, flushed at ``close``), so no round trip precedes the request's first
 byte; ``match`` and ``get_session`` merge what is still pending, so this process reads its
 own writes. ``degraded_total`` also counts the writes that never reached Redis (dropped at
-the bound or failed).
+the bound or failed). ``published`` is the other gateways' side: the proxy awaits it before
+a response's last byte (bounded by ``redis_visible_wait_s``), so the next turn, through any
+gateway, finds this one's record in Redis.
 """
 from __future__ import annotations
 
@@ -118,10 +120,11 @@ class RedisPrefixIndex:
         self._recovery: asyncio.Task[None] | None = None
         self._pending = PendingWrites(chains=not config.redis_exact_match)
         self._queue = WriteQueue(self._send, config.redis_queue_max, config.redis_flush_interval_s)
+        self._late_writes = 0
 
     @property
     def degraded_total(self) -> int:
-        return self._degraded_calls + self._queue.dropped_total + self._queue.failed_total
+        return self._degraded_calls + self._queue.dropped_total + self._queue.failed_total + self._late_writes
 
     @property
     def dropped_writes_total(self) -> int:
@@ -279,6 +282,26 @@ class RedisPrefixIndex:
     async def flush(self) -> None:
         """Wait until every queued write (write-behind mode) has been sent."""
         await self._queue.flush()
+
+    async def published(self) -> bool:
+        """Write-behind: wait until every write this process queued before the call has
+        reached Redis (or failed), at most ``redis_visible_wait_s``. The gateway awaits it
+        before a response's last byte, so a turn's record is visible to every other gateway
+        before the client can send its next turn. Returns at once when nothing queued
+        before is still waiting (the usual case: the write left 2 ms after routing, long
+        before the answer). False when the bound was hit, counted in ``late_writes_total``
+        and ``degraded_total``."""
+        wait_s = self._cfg.redis_visible_wait_s
+        if wait_s <= 0 or await self._queue.settled(wait_s):
+            return True
+        self._late_writes += 1
+        return False
+
+    @property
+    def late_writes_total(self) -> int:
+        """Responses whose last byte went out before this process's earlier writes reached
+        Redis (``published`` hit its bound)."""
+        return self._late_writes
 
     async def close(self) -> None:
         await self._queue.close(CLOSE_FLUSH_S)

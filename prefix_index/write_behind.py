@@ -33,10 +33,17 @@ The queue (``WriteQueue``):
   backend clears the pending entry there, and resends a capacity Redis forgot.
 - ``flush()`` returns once every write queued before it has been sent; ``close()``
   flushes within ``timeout_s`` and stops the task. The gateway's shutdown closes the index.
+- ``settled(timeout_s)`` waits until every write queued before the call has left the
+  queue (sent, failed or dropped), at most ``timeout_s``; it cuts the drain task's
+  ``delay_s`` short (a response is waiting: no batch is worth that) but sends nothing
+  itself. The gateway awaits it before a response's last byte (``RedisPrefixIndex.published``).
+  Writes leave the queue in FIFO order, so one counter (``finished_total``) says which
+  have: write n (counting from 1) has left once ``finished_total >= n``.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -164,6 +171,9 @@ class WriteQueue:
         self.sent_total = 0
         self.dropped_total = 0  # beyond the bound
         self.failed_total = 0  # not delivered (a failed batch, or a write that failed alone)
+        self.finished_total = 0  # left the queue, in FIFO order: sent, failed or dropped
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()  # (mark, waiter), marks ascending
+        self._kick = asyncio.Event()  # a waiter is waiting: send now, do not wait for a batch to gather
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -172,7 +182,8 @@ class WriteQueue:
         """Queue ``write`` (never blocks); when full, the oldest queued write is dropped."""
         if len(self._queue) >= self._max:
             self.dropped_total += 1
-            _finish(self._queue.popleft(), None)
+            self._finished(self._queue.popleft(), None)
+            self._wake()
         self._queue.append(write)
         self.queued_total += 1
         if self._task is None or self._task.done():
@@ -185,6 +196,38 @@ class WriteQueue:
         async with self._lock:  # a batch the drain task has in flight
             pass
 
+    async def settled(self, timeout_s: float) -> bool:
+        """Wait until every write queued before this call has left the queue (sent, failed
+        or dropped), at most ``timeout_s``; False if it had not by then. Returns at once,
+        without suspending, when they already have (the usual case)."""
+        mark = self.queued_total
+        if self.finished_total >= mark:
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append((mark, waiter))
+        self._kick.set()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except TimeoutError:
+            return False
+        finally:
+            if not waiter.done():
+                waiter.cancel()  # (pruned by the next _wake)
+        return True
+
+    def _finished(self, write: QueuedWrite, result: object | None) -> None:
+        self.finished_total += 1
+        _finish(write, result)
+
+    def _wake(self) -> None:
+        """Release the waiters whose writes have all left the queue (and drop cancelled ones)."""
+        waiters = self._waiters
+        while waiters and (waiters[0][0] <= self.finished_total or waiters[0][1].done()):
+            _, waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
     async def close(self, timeout_s: float) -> None:
         """Flush within ``timeout_s`` (what is left then is dropped, counted), stop the task."""
         try:
@@ -195,7 +238,8 @@ class WriteQueue:
             log.warning("index write-behind: %d write(s) not flushed within %.1fs at shutdown", left, timeout_s)
             while self._queue:
                 self.dropped_total += 1
-                _finish(self._queue.popleft(), None)
+                self._finished(self._queue.popleft(), None)
+            self._wake()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -204,9 +248,14 @@ class WriteQueue:
     async def _drain(self) -> None:
         """Runs while there is something to send, then ends (``put`` starts the next one):
         an idle index holds no task, so nothing is left pending at shutdown."""
-        await asyncio.sleep(self._delay_s)  # let a batch gather
+        if not self._kick.is_set():  # let a batch gather, unless someone waits for it
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._delay_s):
+                    await self._kick.wait()
         while self._queue:
+            self._kick.clear()
             await self._send_batch()
+        self._kick.clear()
 
     async def _send_batch(self) -> None:
         async with self._lock:
@@ -221,16 +270,17 @@ class WriteQueue:
             if results is None:
                 self.failed_total += len(batch)
                 for write in batch:
-                    _finish(write, None)
-                return
-            for write, result in zip(batch, results, strict=True):
-                if isinstance(result, Exception):
-                    self.failed_total += 1
-                    log.warning("index write %s failed: %s: %s", write.name, type(result).__name__, result)
-                    result = None
-                else:
-                    self.sent_total += 1
-                _finish(write, result)
+                    self._finished(write, None)
+            else:
+                for write, result in zip(batch, results, strict=True):
+                    if isinstance(result, Exception):
+                        self.failed_total += 1
+                        log.warning("index write %s failed: %s: %s", write.name, type(result).__name__, result)
+                        result = None
+                    else:
+                        self.sent_total += 1
+                    self._finished(write, result)
+            self._wake()
 
 
 def _finish(write: QueuedWrite, result: object | None) -> None:

@@ -5,7 +5,8 @@ Two ``kvgate serve`` processes with ``index.redis_write_behind = true`` on one r
 ``test_shared_redis``): a session's first turn through
 gateway A is routed without waiting for Redis, and once A's queue has flushed, its
 second turn through gateway B lands on the same replica and hits the cache. A third
-gateway whose drain task waits 30 s shows that shutdown (SIGTERM) flushes the queue.
+gateway whose drain task waits 30 s, and whose answers do not wait for it
+(``index.redis_visible_wait_s = 0``), shows that shutdown (SIGTERM) flushes the queue.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def gateways(fleet: SimFleet, redis_srv: RedisServer, tmp_path_factory: pytest.T
 
 
 def session_key(session: str) -> str:
-    return f"kvgate:s:user:{session}"  # the ``user`` field is the session key (gateway.context)
+    return f"kvgate:s:user:{session}@tiny"  # the ``user`` field, per model, is the session key (gateway.context)
 
 
 def test_the_other_gateway_sees_the_session_after_the_flush(
@@ -68,7 +69,8 @@ def test_shutdown_flushes_the_queue(gateways: tuple[Gateway, Gateway], fleet: Si
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     _, b = gateways
     slow = start_gateway(fleet.urls, tmp_path_factory.mktemp("slow") / "c.log", *shared_flags(redis_srv.url),
-                         *BEHIND, "--set", "index.redis_flush_interval_s=30")
+                         *BEHIND, "--set", "index.redis_flush_interval_s=30",
+                         "--set", "index.redis_visible_wait_s=0")  # answers without waiting for the flush
     client = redis.Redis.from_url(redis_srv.url)
     try:
         t1, t2 = None, None
