@@ -22,9 +22,11 @@ This module adds what they need around them:
   not revealed to a tenant that does not own it. (The body's own ids, ``request_id`` and
   ``rid``, are refused by ``gateway.context``: a client cannot choose a response id.)
 - ``POST /v1/messages/count_tokens``: checked like a Messages body (Anthropic's error
-  shape), then sent to the least-loaded routable replica (the next one when a
-  connection fails). Nothing is recorded in the prefix index: nothing is cached.
-- ``GET /v1/models/{id}``: the model card the replicas reported, else 404 ``model_not_found``.
+  shape; a model no replica serves: 404), then sent to the least-loaded routable replica
+  serving its model (the next one when a connection fails). Nothing is recorded in the
+  prefix index: nothing is cached.
+- ``GET /v1/models/{id}``: the model card the replicas reported (or an alias's,
+  ``gateway.models``), else 404 ``model_not_found``.
 - ``GET /model_info`` and ``GET /server_info`` (and SGLang's deprecated ``/get_model_info``,
   ``/get_server_info``): benchmark tools (aiperf, guidellm, inference-perf, SGLang's
   ``bench_serving``) and SGLang's own clients read the tokenizer and model paths there,
@@ -73,11 +75,13 @@ from gateway.context import build_context
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
+    ModelNotFound,
     NoReplicaAvailable,
     NotFound,
     UpstreamError,
     endpoint_of,
 )
+from gateway.models import forwarded_body, model_list, require_served
 from gateway.proxy import PINNED
 from gateway.relay import (
     HeaderPolicy,
@@ -96,6 +100,7 @@ from gateway.responses_store import (
     owned_by,
 )
 from policies.base import RequestContext
+from policies.routing import serving
 from prefix_index.base import PrefixIndex, ReplicaCapacity, ReplicaId
 from replicas.model import ReplicaState, ReplicaView
 from replicas.registry import Registry
@@ -259,11 +264,14 @@ async def count_tokens(gateway: AgentGateway, request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: checked, then answered by a routable replica."""
     try:
         body = await read_body(request, gateway.settings.hashing.max_body_bytes)
-        build_context("count_tokens", body, request.headers, request.headers.get("content-type"),
-                      gateway.settings)
+        ctx = build_context("count_tokens", body, request.headers, request.headers.get("content-type"),
+                            gateway.settings)
+        require_served(ctx.model, gateway.registry.served_models())
     except GatewayError as exc:
         return error_response(exc, route_headers("none", "rejected"), "count_tokens")
-    views = sorted((v for v in gateway.registry.views() if v.routable), key=lambda v: v.in_flight)
+    body = forwarded_body(ctx, body, gateway.settings.models.aliases)
+    views = sorted((v for v in serving(gateway.registry.views(), ctx.model) if v.routable),
+                   key=lambda v: v.in_flight)
     client = request.client.host if request.client is not None else None
     headers = upstream_headers(request.headers.raw, gateway.header_policy, client, request.url.scheme)
     for view in views:
@@ -281,12 +289,12 @@ async def count_tokens(gateway: AgentGateway, request: Request) -> Response:
 
 
 def model_card(gateway: AgentGateway, request: Request) -> Response:
-    """``GET /v1/models/{id}``: the card of a model some replica serves."""
+    """``GET /v1/models/{id}``: the card of a model some replica serves, or of an alias."""
     name = request.path_params["model"]
-    card = next((c for c in gateway.registry.models() if c.get("id") == name), None)
+    cards = model_list(gateway.registry.models(), gateway.settings.models.aliases)
+    card = next((c for c in cards if c.get("id") == name), None)
     if card is None:
-        error = NotFound(f"The model '{name}' does not exist", param="model", code="model_not_found")
-        return error_response(error, route_headers("none", "none"))
+        return error_response(ModelNotFound(name), route_headers("none", "none"))
     return Response(orjson.dumps(card), media_type="application/json")
 
 

@@ -25,8 +25,10 @@ a buffered body), a watcher listens for the client leaving: the handler is then
 cancelled, the upstream request closed (SGLang aborts it), and the request counted as
 status 499, logged at INFO at most; a client that leaves during the upload is a 499 too.
 Errors are in the shape of the request's API (``gateway.errors``: Anthropic's for
-``/v1/messages``, OpenAI's otherwise). ``/v1/messages`` and ``/v1/responses`` are
-inference endpoints like chat; the Responses id pin and record, count_tokens,
+``/v1/messages``, OpenAI's otherwise); a model no replica serves is a 404 before
+routing, and ``GET /v1/models`` lists the replicas' cards and the aliases
+(``gateway.models``). ``/v1/messages`` and ``/v1/responses`` are inference endpoints
+like chat; the Responses id pin and record, count_tokens,
 ``/v1/models/{id}``, SGLang's ``/model_info`` / ``/server_info`` (relayed from a
 routable replica) and ``/flush_cache`` (admin, fanned out) are ``gateway.api_routes``.
 """
@@ -57,7 +59,8 @@ from gateway.client_watch import ClientWatch
 from gateway.context import build_context
 from gateway.errors import GatewayError
 from gateway.kv_wiring import attach_precise
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.metrics import CONTENT_TYPE, OTHER_MODEL, GatewayMetrics
+from gateway.models import forwarded_body, model_list, require_served
 from gateway.openapi import openapi_document
 from gateway.proxy import CLIENT_CLOSED, PINNED, Proxy
 from gateway.relay import (
@@ -115,6 +118,7 @@ class Gateway:
         self.policy = policy
         self.shared_state = shared_state  # several gateways share replica state (reserve())
         self.metrics = GatewayMetrics()
+        self.metrics.served_models = registry.served_models  # the model label's values
         # one clock for routing: wall time, so session times stored in a shared Redis
         # compare across hosts and with the registry's added_at_s (also wall time)
         self.router = Router(policy, index, registry.views, self.metrics, clock=time.time, ids=registry.ids,
@@ -161,8 +165,8 @@ class Gateway:
         await self.responses.store.close()
         await self.client.aclose()
 
-    def request_done(self, endpoint: str, status: int, started_s: float) -> None:
-        self.metrics.request_done(endpoint, status, time.perf_counter() - started_s)
+    def request_done(self, endpoint: str, status: int, started_s: float, model: str = OTHER_MODEL) -> None:
+        self.metrics.request_done(endpoint, status, time.perf_counter() - started_s, model)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         """One inference request: read, parse once, route and relay."""
@@ -172,6 +176,7 @@ class Gateway:
             headers = header_map(raw_headers)
             body = await read_body(request, self.settings.hashing.max_body_bytes, headers)
             ctx = build_context(endpoint, body, headers, headers.get("content-type"), self.settings)
+            require_served(ctx.model, self.registry.served_models())
         except GatewayError as exc:
             return self._answered(endpoint, error_response(exc, route_headers("none", "rejected"), endpoint),
                                   started_s)
@@ -189,7 +194,9 @@ class Gateway:
         out_headers = upstream_headers(raw_headers, self.header_policy, peer[0] if peer else None,
                                        scope.get("scheme", "http"))
         response = await self._until_client_leaves(
-            request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint], body, out_headers, started_s, pin))
+            request, self.proxy.forward(ctx, ENDPOINT_PATHS[endpoint],
+                                        forwarded_body(ctx, body, self.settings.models.aliases), out_headers,
+                                        started_s, pin))
         if isinstance(response, ClosingResponse) and endpoint == "responses":
             relayed = response
             try:
@@ -205,7 +212,7 @@ class Gateway:
             log.info("client left before the answer of request %s", ctx.request_id)
             response = Response(status_code=CLIENT_CLOSED)
         if not isinstance(response, ClosingResponse):  # a relayed answer counts itself once sent
-            self.request_done(ctx.endpoint, response.status_code, started_s)
+            self.request_done(ctx.endpoint, response.status_code, started_s, ctx.model)
         return response
 
     def _answered(self, endpoint: str, response: Response, started_s: float) -> Response:
@@ -261,7 +268,9 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return json_response({"object": "list", "data": gw(request).registry.models()})
+        gateway = gw(request)
+        return json_response({"object": "list",
+                              "data": model_list(gateway.registry.models(), gateway.settings.models.aliases)})
 
     install_agent_routes(app, gw)  # count_tokens, /v1/responses/{id}[/cancel], /v1/models/{id}
     install_sglang_routes(app, gw)  # /model_info, /server_info (relayed), /flush_cache (admin, fanned out)

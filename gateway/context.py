@@ -2,8 +2,10 @@
 
 ``build_context`` validates what routing needs (OpenAI-shaped 4xx via ``gateway.errors``),
 extracts the session keys and hashes the canonical rendering (``gateway.prefix_hash``).
-The body bytes themselves are forwarded unchanged by the proxy; nothing here
-re-serializes them.
+A model alias (``models.aliases``, ``gateway.models``) is resolved here, once: the
+context's ``model`` is the served name. The body bytes themselves are forwarded
+unchanged by the proxy (but for an alias, ``gateway.models.forwarded_body``); nothing
+here re-serializes them.
 
 Nesting is bounded: a body nested deeper than ``MAX_JSON_DEPTH`` (128) levels of arrays
 and objects is a 400. orjson parses up to 1024 levels but serializes at most 254 (the
@@ -44,7 +46,9 @@ from gateway import api_agents as agent_api
 from gateway import context_turns, conversation, prefix_hash
 from gateway.context_cache import CacheSlot, ContextCache
 from gateway.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from gateway.models import ModelsConfig
 from policies.base import RequestContext, SessionKeys
+from policies.routing import ANY_MODEL
 
 ENDPOINTS = {
     "chat": "chat", "/v1/chat/completions": "chat",
@@ -121,12 +125,16 @@ class ContextSettings(Protocol):
     @property
     def sessions(self) -> SessionConfig: ...
 
+    @property
+    def models(self) -> ModelsConfig: ...
+
 
 class ContextConfig(BaseModel):
     """A standalone ``ContextSettings`` (tests, benchmarks)."""
 
     hashing: HashingConfig = Field(default_factory=HashingConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
 
 
 NO_SESSION = SessionKeys()  # (a frozen value: one for every request that names no session)
@@ -177,6 +185,16 @@ def session_keys(headers: Mapping[str, str], user: Any, cfg: SessionConfig) -> S
         value = headers.get(fallback)
         parent = _bounded(value) if value else None
     return SessionKeys(session=session, parent=parent if parent != session else None)
+
+
+def per_model(keys: SessionKeys, model: str) -> SessionKeys:
+    """The session keys of ``model``'s conversation: ``key@model`` (bounded as any key), so
+    a session id an agent reuses for two models (a main and a small one) is two entries of
+    the session table, each on a replica of its own model. A request naming no model
+    (``ANY_MODEL``) keeps the keys as they are."""
+    if model == ANY_MODEL or keys is NO_SESSION:
+        return keys
+    return SessionKeys(*(None if k is None else _bounded(f"{k}@{model}") for k in (keys.session, keys.parent)))
 
 
 def _check_content_type(content_type: str | None) -> None:
@@ -244,7 +262,7 @@ def _stream(data: Mapping[str, Any]) -> bool:
 def _model(data: Mapping[str, Any]) -> str:
     model = data.get("model")
     if model is None or model == "":
-        return "default"  # SGLang serves a single model and accepts a missing one
+        return ANY_MODEL  # SGLang serves a single model and accepts a missing one
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string", param="model")
     return model
@@ -325,20 +343,21 @@ def build_context(
     kind = ENDPOINTS.get(endpoint)
     if kind is None:
         raise ValueError(f"unknown endpoint {endpoint!r}")
-    hcfg = cfg.hashing
+    hcfg, aliases = cfg.hashing, cfg.models.aliases
     _check_content_type(content_type)
     if len(body) > hcfg.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(body)} bytes; the limit is {hcfg.max_body_bytes}")
     if (kind in conversation.LAYOUTS and len(body) >= hcfg.prefix_cache_min_bytes and type(body) is bytes
             and hcfg.max_blocks > 0 and not hcfg.keep_routing_text and (cache := hcfg.context_cache()) is not None):
         done = context_turns.resume(kind, body, _cache_key(kind, headers, body, cfg.sessions), cache,
-                                    hcfg.block_chars, hcfg.max_blocks, _checks(kind))
+                                    hcfg.block_chars, hcfg.max_blocks, _checks(kind, aliases))
         if done is not None:
             return _context(kind, headers, cfg, done.model, done.session_field, done.hashes, done.chars, None,
                             done.short_raw, done.max_tokens, done.stream, "", done.payload)
     data = _parse(body)
     refuse_client_ids(data)
     model = agent_api.check(kind, data) if kind in AGENT_ENDPOINTS else _model(data)
+    model = aliases.get(model, model)  # the served name from here on (gateway.models)
     max_tokens, stream = _max_tokens(kind, data), _stream(data)
     try:
         raw, chars, routing_text, n_tokens = _render(kind, data, hcfg.keep_routing_text)
@@ -355,7 +374,7 @@ def _context(kind: str, headers: Mapping[str, str], cfg: ContextSettings, model:
     hcfg = cfg.hashing
     if n_tokens is not None:
         chars = int(n_tokens * hcfg.chars_per_token)
-    session = session_keys(headers, session_field, cfg.sessions)
+    session = per_model(session_keys(headers, session_field, cfg.sessions), model)
     request_id = headers.get("x-request-id") or new_request_id()
     return RequestContext(
         request_id=_bounded(request_id),
@@ -384,7 +403,7 @@ def _cache_key(kind: str, headers: Mapping[str, str], body: bytes, cfg: SessionC
     return kind, "", xxhash.xxh3_64_intdigest(body[:_ANCHOR_BYTES])
 
 
-def _checks(kind: str) -> context_turns.Checks:
+def _checks(kind: str, aliases: Mapping[str, str]) -> context_turns.Checks:
     """What ``gateway.context_turns`` checks of a body: the same as the full path."""
     def items(messages: list[Any], cached: int) -> None:
         if kind in AGENT_ENDPOINTS:
@@ -395,11 +414,11 @@ def _checks(kind: str) -> context_turns.Checks:
     def depth(listed: list[Any]) -> None:  # a list at the messages' depth: inside the body's object
         check_depth([listed])
 
-    return context_turns.Checks(_validate_turn(kind), items, depth,
+    return context_turns.Checks(_validate_turn(kind, aliases), items, depth,
                                 lambda top: agent_api.session_field(kind, top))
 
 
-def _validate_turn(kind: str) -> context_turns.Validate:
+def _validate_turn(kind: str, aliases: Mapping[str, str]) -> context_turns.Validate:
     """The full path's checks of a body, for the skeleton of a resumed one. Also says
     whether the skeleton is orjson's own spelling of what it parsed to (compact JSON, as
     JSON.stringify writes it), from the depth check's serialization."""
@@ -413,7 +432,7 @@ def _validate_turn(kind: str) -> context_turns.Validate:
             model = _model(top)
             _check_messages(top.get("messages"), cached)
         own = len(spelled) == len(skeleton) + 2 * DEPTH_PAD and spelled.startswith(skeleton, DEPTH_PAD)
-        return model, _max_tokens(kind, top), _stream(top), own
+        return aliases.get(model, model), _max_tokens(kind, top), _stream(top), own
     return validate
 
 

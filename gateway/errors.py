@@ -7,6 +7,7 @@
      +-- Unauthorized (401)              admin API without a bearer token
      +-- Forbidden (403)                 admin API with a wrong token
      +-- NotFound (404)                  unknown replica / model / route
+     |    +-- ModelNotFound (404)        a model no replica serves (code model_not_found)
      +-- NoReplicaAvailable (503)        nothing routable
      +-- UpstreamError (502)             every attempt failed before the first byte
      +-- UpstreamTimeout (504)           the replica did not answer in time
@@ -104,6 +105,16 @@ class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """A request (or ``GET /v1/models/{id}``) names a model no replica serves; SGLang's
+    own wording and code (Anthropic's shape: ``not_found_error``)."""
+
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist", param="model")
 
 
 class NoReplicaAvailable(GatewayError):

@@ -2,7 +2,10 @@
 
 Names are layered (``kvgate_<thing>_<unit>``) and labels bounded: ``endpoint`` (chat,
 completions, generate, models, ...), ``status`` (HTTP code), ``policy``, ``reason`` (the
-policy's small vocabulary), ``replica`` (fleet size), ``state``, ``tier``, ``plugin``.
+policy's small vocabulary), ``replica`` (fleet size), ``state``, ``tier``, ``plugin``,
+``model`` (a model some replica serves, after aliases: ``served_models``; any other name,
+and a request refused before its model was read, counts as ``other``: never a
+client-chosen string).
 
 Request-path metrics are updated as requests go; fleet gauges (replica state, load,
 index sizes) are refreshed from the registry and the index when ``/metrics`` is scraped
@@ -16,7 +19,7 @@ behind shows here, and a collection of it is a pause on some request's path) and
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -51,6 +54,7 @@ HIT_RATIO_WINDOW = 256  # requests in the "recent" cache hit ratio
 # dashboard panel or an alert's rate() shows 0 rather than "No data" until the first event
 REJECT_REASONS = ("concurrency_cap", "body_timeout", "shutting_down")  # kvgate_requests_rejected_total
 SCALE_STAGES = ("index", "annotate", "tick")  # kvgate_scale_errors_total
+OTHER_MODEL = "other"  # the model label of a request for a model no replica serves
 RETRY_REASONS = ("connect", "disconnect", "head_timeout", "first_byte_timeout", "status_429", "status_503",
                  "status_5xx")
 
@@ -62,8 +66,10 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         GCCollector(registry=r)
         ProcessCollector(registry=r)
-        self.requests = Counter("kvgate_requests", "Requests answered, by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=r)
+        # the model ids replicas serve (the gateway sets the registry's served_models): the model label's values
+        self.served_models: Callable[[], frozenset[str]] = frozenset
+        self.requests = Counter("kvgate_requests", "Requests answered, by endpoint, HTTP status and model",
+                                ["endpoint", "status", "model"], registry=r)
         self.route_decisions = Counter("kvgate_route_decisions", "Routing decisions by policy and reason",
                                        ["policy", "reason"], registry=r)
         self.predicted_cached_tokens = Counter(
@@ -77,12 +83,12 @@ class GatewayMetrics:
             f"Reported cached / prompt tokens over the last {HIT_RATIO_WINDOW} requests with usage",
             registry=r)
         self.ttft = Histogram("kvgate_request_ttft_seconds", "Time to the first body byte from the replica",
-                              buckets=TTFT_BUCKETS_S, registry=r)
+                              ["model"], buckets=TTFT_BUCKETS_S, registry=r)
         self.itl = Histogram("kvgate_inter_token_latency_seconds",
                              "Mean gap between output tokens of a streamed request",
-                             buckets=ITL_BUCKETS_S, registry=r)
+                             ["model"], buckets=ITL_BUCKETS_S, registry=r)
         self.duration = Histogram("kvgate_request_duration_seconds", "Whole request, arrival to last byte",
-                                  ["endpoint"], buckets=DURATION_BUCKETS_S, registry=r)
+                                  ["endpoint", "model"], buckets=DURATION_BUCKETS_S, registry=r)
         self.replica_state = Gauge("kvgate_replica_state", "1 for the replica's current state",
                                    ["replica", "state"], registry=r)
         self.replica_in_flight = Gauge("kvgate_replica_in_flight", "Requests routed and not finished",
@@ -190,17 +196,23 @@ class GatewayMetrics:
         self._hit_sums = [0, 0]  # cached, prompt over the window
         self._seen: dict[str, float] = {}
         # label children cached on the request path (label lookups are not free)
-        self._done: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._done: dict[tuple[str, int, str], tuple[Any, Any]] = {}
+        self._timings: dict[str, tuple[Any, Any]] = {}
         self._decisions: dict[tuple[str, str], Any] = {}
         self._retries = {reason: self.upstream_retries.labels(reason) for reason in RETRY_REASONS}
 
     # -- request path -------------------------------------------------------------
-    def request_done(self, endpoint: str, status: int, duration_s: float) -> None:
-        key = (endpoint, status)
+    def model_label(self, model: str) -> str:
+        """``model`` when a replica serves it, else ``OTHER_MODEL`` (bounded cardinality)."""
+        return model if model in self.served_models() else OTHER_MODEL
+
+    def request_done(self, endpoint: str, status: int, duration_s: float, model: str = OTHER_MODEL) -> None:
+        """One answered request; ``model``: the request's (served) model, when it was read."""
+        key = (endpoint, status, self.model_label(model))
         children = self._done.get(key)
         if children is None:
-            children = self._done[key] = (self.requests.labels(endpoint, str(status)),
-                                          self.duration.labels(endpoint))
+            children = self._done[key] = (self.requests.labels(endpoint, str(status), key[2]),
+                                          self.duration.labels(endpoint, key[2]))
         children[0].inc()
         children[1].observe(duration_s)
 
@@ -236,11 +248,15 @@ class GatewayMetrics:
         if self._hit_sums[1] > 0:
             self.cache_hit_ratio.set(self._hit_sums[0] / self._hit_sums[1])
 
-    def timing(self, ttft_s: float | None, itl_s: float | None) -> None:
+    def timing(self, ttft_s: float | None, itl_s: float | None, model: str) -> None:
+        label = self.model_label(model)
+        children = self._timings.get(label)
+        if children is None:
+            children = self._timings[label] = (self.ttft.labels(label), self.itl.labels(label))
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            children[0].observe(ttft_s)
         if itl_s is not None:
-            self.itl.observe(itl_s)
+            children[1].observe(itl_s)
 
     def admission_waited(self, released_by: str, seconds: float) -> None:
         self.admission_wait.labels(released_by).observe(seconds)

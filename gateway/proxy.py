@@ -48,6 +48,15 @@ that dies under load must not fail the requests that were about to reach it.
 Streams are relayed as the replica's bytes arrive: one ASGI send per read, no decoding,
 no re-chunking, one stall timer per stream (``gateway.stall_watch``); ``usage`` is found
 by a byte search for the key and parsed once at the end (``gateway.relay.UsageSniffer``).
+Several gateways agree: with a Redis index in write-behind mode a turn's record reaches
+Redis after the request was sent upstream. Before any byte that can end a response
+reaches the client (a buffered answer; a stream's bytes after its first read, or a first
+read that already holds the stream's end) the proxy awaits the index's ``published``:
+the writes this gateway queued so far have reached Redis, at most
+``index.redis_visible_wait_s`` (a longer wait counts in ``kvgate_index_degraded_total``).
+So the client cannot send its next turn, through any gateway, before that gateway can
+see this one. A stream's first byte is not held (unless it is also its last).
+
 The load lease is released and ``policy.on_completed`` called when the response ends,
 fails, or the client leaves (``RelayResponse`` runs the cleanup in a ``finally`` shielded
 from cancellation). A buffered answer (``AnsweredResponse``) runs the same bookkeeping
@@ -60,7 +69,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from starlette.responses import Response
@@ -111,6 +120,10 @@ __all__ = ["CLIENT_CLOSED", "PINNED", "Proxy"]
 
 log = logging.getLogger("kvgate.proxy")
 
+STREAM_ENDS = (b"data: [DONE]", b"event: message_stop", b"event: response.completed")
+"""The last event of a chat / completions, Messages and Responses stream: a first read
+holding one is the whole answer, held until the index's writes are published."""
+
 
 class Proxy:
     """Sends a parsed request to the fleet with failover; returns the client's Response."""
@@ -130,6 +143,8 @@ class Proxy:
         self.cfg = cfg
         self.budget = RetryBudget(cfg.retry_budget_ratio, cfg.retry_budget_min)
         self.poison = PoisonBodies(cfg.poison_ttl_s, cfg.poison_max_entries, time.monotonic)
+        # a remote index's write barrier (Redis write-behind); embedded indexes write in place
+        self.published: Callable[[], Awaitable[bool]] | None = getattr(router.index, "published", None)
 
     async def close(self) -> None:
         await self.upstream.close()
@@ -367,6 +382,8 @@ class Proxy:
         except (TimeoutError, UpstreamFailure) as exc:
             what = "stalled" if stalled(exc) else f"broke ({exc})"
             return await self._broken_body(attempt, f"replica {attempt.decision.replica} {what} mid-response")
+        if self.published is not None:
+            await self.published()
         return self._answer(attempt, b"".join(parts) if len(parts) > 1 else first, headers)
 
     def _answer(self, attempt: Attempt, body: bytes, headers: list[tuple[bytes, bytes]]) -> AnsweredResponse:
@@ -387,7 +404,8 @@ class Proxy:
         if status < 500:
             self.registry.report_success(attempt.decision.replica)
         await self._close(attempt, self._outcome(attempt, status, usage))
-        self.metrics.request_done(attempt.ctx.endpoint, status, time.perf_counter() - attempt.started_s)
+        self.metrics.request_done(attempt.ctx.endpoint, status, time.perf_counter() - attempt.started_s,
+                                  attempt.ctx.model)
 
     async def _broken_body(self, attempt: Attempt, message: str) -> Response:
         self.registry.report_failure(attempt.decision.replica, "mid_body")
@@ -403,6 +421,10 @@ class Proxy:
         assert sniffer is not None
         stall_s = self.cfg.stall_timeout_s
         last = first
+        published = self.published
+        if published is not None and any(end in first for end in STREAM_ENDS):
+            await published()  # the first read is the whole answer
+            published = None
         yield first
         sniffer.feed(first)
         watch = StallWatch(stall_s)  # one timer for the stream, not one per chunk
@@ -413,6 +435,9 @@ class Proxy:
                 watch.arrived()
                 if chunk is None:
                     break
+                if published is not None:  # once: the writes queued so far reach Redis first
+                    await published()
+                    published = None
                 yield chunk
                 sniffer.feed(chunk)
                 last = chunk
@@ -442,7 +467,8 @@ class Proxy:
                 self.registry.report_failure(replica, "mid_stream")
             outcome = Outcome(ok=False, status=status, ttft_s=self._ttft(attempt))
         await self._close(attempt, outcome)
-        self.metrics.request_done(attempt.ctx.endpoint, status, time.perf_counter() - attempt.started_s)
+        self.metrics.request_done(attempt.ctx.endpoint, status, time.perf_counter() - attempt.started_s,
+                                  attempt.ctx.model)
 
     @staticmethod
     def _ttft(attempt: Attempt) -> float | None:
@@ -472,6 +498,6 @@ class Proxy:
         if (attempt.sniffer is not None and outcome.completion_tokens and outcome.completion_tokens > 1
                 and attempt.first_byte_s is not None and attempt.last_byte_s is not None):
             itl = (attempt.last_byte_s - attempt.first_byte_s) / (outcome.completion_tokens - 1)
-        metrics.timing(outcome.ttft_s, itl)
+        metrics.timing(outcome.ttft_s, itl, attempt.ctx.model)
         access_log.record(attempt.ctx, attempt.decision, outcome)
         await self.router.completed(attempt.ctx, attempt.decision, outcome)

@@ -30,6 +30,7 @@ from pydantic_settings.sources import InitSettingsSource
 
 from gateway.admission import AdmissionConfig
 from gateway.context import HashingConfig, SessionConfig
+from gateway.models import ModelsConfig
 from gateway.responses_store import ResponsesStoreConfig
 from gateway.scaling import ScaleConfig
 from gateway.upstream_config import UpstreamConfig
@@ -127,6 +128,7 @@ class Settings(BaseSettings):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     hashing: HashingConfig = Field(default_factory=HashingConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
     responses: ResponsesStoreConfig = Field(default_factory=ResponsesStoreConfig)
 

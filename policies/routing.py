@@ -10,8 +10,10 @@ Per request the caller gathers the index's answers (prefix matches, the session'
 its parent's entries) and, when ``resident_fresh(now)`` is None, the fleet's resident
 working set (``store_resident``); then:
 
-1. ``inputs(...)`` assembles the frozen ``RoutingInputs`` (every replica gets a match,
-   empty when the index knows none), with the resident set as last patched;
+1. ``inputs(...)`` assembles the frozen ``RoutingInputs`` over the replicas serving the
+   request's model (``serving``: the one model filter; every replica when none reports
+   its models), each with a match (empty when the index knows none), with the resident
+   set as last patched;
 2. ``decide(ctx, inputs, exclude)`` runs the pure policy over the replicas not excluded
    (retries: the tried ones), raising ``NoRoutableReplica``;
 3. ``account(ctx, decision)``, right after the decision and before anything yields,
@@ -54,6 +56,7 @@ from prefix_index.base import BlockHash, PrefixMatch, ReplicaId, SessionEntry, c
 from replicas.model import ReplicaView
 
 NO_MATCH = PrefixMatch()
+ANY_MODEL = "default"  # the model of a request that names none (gateway.context): any replica serves it
 RESIDENT_CACHE_S = 1.0
 IN_FLIGHT_S = 15.0  # a routed prompt is in its replica's events once prefilled (p99 TTFT ~8-14 s)
 IN_FLIGHT_MAX = 1024  # chains remembered at most (each is the request's own hash tuple, ~58 KB at 400 KB)
@@ -104,6 +107,17 @@ def token_context(ctx: RequestContext, prompt_tokens: int) -> RequestContext:
     token and the prompt is its exact token count. Pure; the original ``ctx`` (with its
     approximate block chain) stays the one given to the hooks."""
     return dataclasses.replace(ctx, block_tokens=1, est_prompt_tokens=max(prompt_tokens, 0))
+
+
+def serving(views: tuple[ReplicaView, ...], model: str) -> tuple[ReplicaView, ...]:
+    """The replicas a request for ``model`` may go to: those whose ``models`` include it.
+
+    Every replica when the request names no model (``ANY_MODEL``) or when no replica
+    reports its models (a fleet of one model, as before model-aware routing). Otherwise a
+    replica whose models are not known yet (its probe is pending) serves none. Pure."""
+    if model == ANY_MODEL or not any(v.models for v in views):
+        return views
+    return tuple(v for v in views if model in v.models)
 
 
 class InFlightChains:
@@ -170,7 +184,7 @@ class RoutingCore:
     def inputs(self, ctx: RequestContext, replicas: Sequence[ReplicaView],
                matches: Mapping[ReplicaId, PrefixMatch], session: SessionEntry | None,
                parent: SessionEntry | None, now_s: float) -> RoutingInputs:
-        views = tuple(replicas)
+        views = serving(tuple(replicas), ctx.model)  # the one model filter, before any policy
         self._now_s = now_s
         if any(is_exact(m) for m in matches.values()):
             self._exact_until_s = now_s + self.in_flight.window_s

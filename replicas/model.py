@@ -33,6 +33,8 @@ class ReplicaView:
     host_tokens: int = 0
     page_size: int = 64
     max_running_requests: int = 0  # 0 = unknown
+    # the model ids it serves, from /v1/models (empty: not known yet, or it reports none)
+    models: frozenset[str] = frozenset()
     # the gateway's own accounting
     in_flight: int = 0  # requests routed here and not finished
     pending_prefill_tokens: int = 0  # predicted uncached tokens of requests not yet at first byte

@@ -19,7 +19,8 @@ real server in ``tests/sglang_real``).
 - ``fetch_capacity``: ``GET /server_info`` (``/get_server_info`` on 404).
 - ``fetch_loads``: ``GET /v1/loads?include=core``; None when unavailable (404 on old
   releases, errors).
-- ``fetch_models``: ``GET /v1/models`` cards.
+- ``fetch_models``: ``GET /v1/models`` cards (the model ids routing filters on);
+  ``served_cards`` falls back to ``/server_info``'s ``served_model_name`` when it fails.
 - ``ProbeLog``: failing probes at WARNING, rate-limited per replica (the first failure
   of a streak, then at most once per ``registry.probe_log_interval_s``), and the
   recovery once, with how long the replica failed.
@@ -236,6 +237,15 @@ async def fetch_models(
         if isinstance(data, list)
         else None
     )
+
+
+def served_cards(cards: list[dict[str, Any]] | None, capacity: Capacity) -> list[dict[str, Any]]:
+    """The replica's model cards: its ``/v1/models`` ones; when that failed, one card named
+    by ``/server_info``'s ``served_model_name`` (nothing when neither is known). Pure."""
+    if cards is not None:
+        return cards
+    name = capacity.served_model_name
+    return [{"id": name, "object": "model", "owned_by": "sglang", "root": name}] if name else []
 
 
 class ProbeLog:

@@ -57,7 +57,8 @@ class ReplicaRecord:
     removal_candidate: bool = False
     ever_ok: bool = False
     ready_path: ReadyPath = ReadyPath.READY
-    model_cards: tuple[dict[str, Any], ...] = ()
+    model_cards: tuple[dict[str, Any], ...] | None = None  # None until /v1/models answered
+    models: frozenset[str] = frozenset()  # the cards' ids (set with them)
     ejected: bool = False  # set and cleared by the registry from its OutlierDetector
     _view: ReplicaView | None = field(default=None, repr=False)  # the last view, and what it was made of
     _view_of: tuple[object, ...] = field(default=(), repr=False)
@@ -80,7 +81,7 @@ class ReplicaRecord:
         c, r = self.counters, self.remote
         made_of = (self.state, c.in_flight, c.pending_prefill_tokens, c.decoding, r.in_flight,
                    r.pending_prefill_tokens, r.decoding, self.capacity, self.reported, self.drain,
-                   self.removal_candidate, self.ejected, held_prefill)
+                   self.removal_candidate, self.ejected, held_prefill, self.models)
         if self._view is None or made_of != self._view_of:
             self._view = self._build_view(held_prefill)
         self._view_of = made_of  # (an equal new object, e.g. the same loads polled again: compared by identity next time)
@@ -96,6 +97,7 @@ class ReplicaRecord:
             host_tokens=cap.host_tokens,
             page_size=cap.page_size,
             max_running_requests=cap.max_running_requests or rep.max_running_requests,
+            models=self.models,
             in_flight=c.in_flight + max(0, r.in_flight),
             pending_prefill_tokens=c.pending_prefill_tokens + max(0, r.pending_prefill_tokens),
             decoding=c.decoding + max(0, r.decoding),

@@ -69,6 +69,8 @@ class Registry:
         self._background: set[asyncio.Task[Any]] = set()
         self._ejections = Ejections(self._table, OutlierDetector(config.outlier), clock)
         self._probe_log = probe.ProbeLog(config.probe_log_interval_s, clock)
+        self._served: frozenset[str] | None = None  # served_models(), None: to compute
+        self._table.add_listener(_ForgetServed(self._forget_served))
         # what the gateway's admission holds per replica (gateway.admission; none by default)
         self.held_prefill: Callable[[ReplicaId], tuple[int, ...]] = _nothing_held
 
@@ -170,11 +172,20 @@ class Registry:
         return r.view() if r else None
 
     def models(self) -> list[dict[str, Any]]:
+        """The model cards of every registered replica, deduplicated by id (first wins)."""
         seen: dict[str, dict[str, Any]] = {}
         for r in self._table.records.values():
-            for card in r.model_cards:
+            for card in r.model_cards or ():
                 seen.setdefault(str(card["id"]), card)
         return list(seen.values())
+
+    def served_models(self) -> frozenset[str]:
+        """The model ids some registered replica (in any state) serves; empty while none has
+        reported its models. Cached until a replica joins, leaves or reports its models."""
+        served = self._served
+        if served is None:
+            served = self._served = frozenset().union(*(r.models for r in self._table.records.values()))
+        return served
 
     @property
     def degraded_total(self) -> int:
@@ -341,11 +352,21 @@ class Registry:
             cap = await probe.fetch_capacity(self._get, rec.id, timeout)
             if cap is None or self._table.records.get(rec.id) is not rec:
                 return  # not joined yet: retry at the next probe
-            rec.capacity = cap
             cards = await probe.fetch_models(self._get, rec.id, timeout)
-            rec.model_cards = tuple(cards or ())
+            if self._table.records.get(rec.id) is not rec:
+                return
+            rec.capacity = cap
+            self._set_models(rec, probe.served_cards(cards, cap))
         self._probe_outcome(rec, res)
         self._apply(rec, res.event)
+
+    def _set_models(self, rec: ReplicaRecord, cards: Sequence[dict[str, Any]]) -> None:
+        rec.model_cards = tuple(cards)
+        rec.models = frozenset(str(card["id"]) for card in cards)
+        self._forget_served()
+
+    def _forget_served(self) -> None:
+        self._served = None
 
     def _probe_outcome(self, rec: ReplicaRecord, res: probe.ProbeResult) -> None:
         """Logging (rate-limited) and the outlier side of one probe's result."""
@@ -450,3 +471,19 @@ class Registry:
         for rid, rec in self._table.records.items():
             rec.remote = snap.remote_load.get(rid) or LoadCounters()
         self.check_drains()
+
+
+class _ForgetServed:
+    """Registry listener: a replica joining or leaving changes the models served."""
+
+    def __init__(self, forget: Callable[[], None]) -> None:
+        self._forget = forget
+
+    def on_added(self, view: ReplicaView) -> None:
+        self._forget()
+
+    def on_removed(self, replica_id: ReplicaId) -> None:
+        self._forget()
+
+    def on_state_changed(self, view: ReplicaView, old_state: ReplicaState) -> None:
+        pass

@@ -1,6 +1,6 @@
 """``kvgate sim``: run one simulated SGLang replica, or a fleet of them.
 
-    kvgate sim --port 31001 --profile kimi-k2.6-b200-tp8 [--time-scale 100] [--seed 1]
+    kvgate sim --port 31001 --profile kimi-k2.6-b200-tp8 [--time-scale 100] [--seed 1] [--model NAME]
     kvgate sim --replicas 4 --base-port 31001          # one process per replica
     kvgate sim --ssl-certfile cert.pem --ssl-keyfile key.pem   # https (uvicorn's TLS)
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port of a single replica")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="profile name or .toml path")
+    parser.add_argument("--model", default=None, metavar="NAME",
+                        help="served model name (/v1/models, /model_info, /server_info; default: the profile's)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="simulated seconds per wall second (default: the profile's)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (replica i: seed + i)")
@@ -81,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         faults = _faults(args)
         profile = load_profile(args.profile)
+        if args.model is not None:
+            if not args.model.strip() or "/" in args.model or args.model in (".", ".."):
+                raise ProfileError(f"--model {args.model!r}: a non-empty name without '/'")
+            profile = dataclasses.replace(profile, served_model_name=args.model)
         kv_events = KvEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
     except (FaultConfigError, ProfileError, KvEventsConfigError) as e:
         print(f"kvgate sim: {e}", file=sys.stderr)
@@ -163,6 +170,8 @@ def _run_fleet(args: argparse.Namespace) -> int:
     from loadtest.simulator.fleet import SimFleet
 
     extra = ["--log-level", args.log_level]
+    if args.model is not None:
+        extra += ["--model", args.model]
     if args.kv_events_config:
         extra += ["--kv-events-config", args.kv_events_config]
     tls = (args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None

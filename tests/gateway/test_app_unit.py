@@ -115,7 +115,7 @@ async def test_usage_feeds_metrics_and_lease_released() -> None:
         replicas = (await client.get("/admin/replicas")).json()["data"]
     assert "kvgate_reported_cached_tokens_total 64.0" in metrics
     assert "kvgate_prompt_tokens_total 100.0" in metrics
-    assert 'kvgate_requests_total{endpoint="chat",status="200"} 1.0' in metrics
+    assert 'kvgate_requests_total{endpoint="chat",model="m",status="200"} 1.0' in metrics
     assert "kvgate_cache_hit_ratio 0.64" in metrics
     assert f'kvgate_replica_state{{replica="{fleet.url(A)}",state="active"}} 1.0' in metrics
     assert "kvgate_policy_plugin_seconds_total{plugin=" in metrics
@@ -257,7 +257,7 @@ async def test_sse_breaking_after_first_byte_ends_with_error_then_done() -> None
     events = [e for e in r.content[len(first):].split(b"\n\n") if e]
     assert orjson.loads(events[0][6:])["error"]["type"] == "upstream_error"
     assert events[1] == b"data: [DONE]"
-    assert 'kvgate_requests_total{endpoint="chat",status="502"} 1.0' in metrics
+    assert 'kvgate_requests_total{endpoint="chat",model="m",status="502"} 1.0' in metrics
 
 
 async def test_admin_locked_without_a_token_and_openapi_served() -> None:

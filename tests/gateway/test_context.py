@@ -156,7 +156,7 @@ def test_session_keys_configurable_and_bounded() -> None:
     long = session_keys({"x-kvgate-session": "z" * 1000}, None, S).session
     assert long is not None and len(long) < 50
     ctx = ctx_of(chat(), headers={"x-kvgate-session": "k"})
-    assert ctx.routing_key == "k" and ctx.session.session == "k"
+    assert ctx.routing_key == "k@m" and ctx.session.session == "k@m"  # per model (gateway.context.per_model)
 
 
 def _depth(value: object) -> int:
@@ -208,7 +208,7 @@ def message_body(**extra: Any) -> dict[str, Any]:
 
 def test_messages_context_hashes_like_the_same_chat() -> None:
     ctx = ctx_of(message_body(stream=True), "messages", headers={"x-claude-code-session-id": "cc"})
-    assert (ctx.endpoint, ctx.model, ctx.stream, ctx.max_tokens, ctx.session.session) == ("messages", "m", True, 5, "cc")
+    assert (ctx.endpoint, ctx.model, ctx.stream, ctx.max_tokens, ctx.session.session) == ("messages", "m", True, 5, "cc@m")
     same = ctx_of({"model": "m", "messages": [{"role": "system", "content": "s" * 600},
                                               {"role": "user", "content": "x" * 600}]})
     assert ctx.block_hashes == same.block_hashes and len(ctx.block_hashes) == 4
@@ -256,13 +256,13 @@ def test_agent_api_validation(endpoint: str, body: dict[str, Any], message: str)
 
 def test_agent_session_keys_from_the_body() -> None:
     claude = ctx_of(message_body(metadata={"user_id": "user_abc_account_x_session_s1"}), "messages")
-    assert claude.session.session == "user:user_abc_account_x_session_s1"
+    assert claude.session.session == "user:user_abc_account_x_session_s1@m"
     headers_win = ctx_of(message_body(metadata={"user_id": "u"}), "messages", {"x-claude-code-session-id": "h"})
-    assert headers_win.session.session == "h"
+    assert headers_win.session.session == "h@m"
     codex = ctx_of({"model": "m", "input": "x", "prompt_cache_key": "conv-1", "user": "u"}, "responses")
-    assert codex.session.session == "user:conv-1"
-    assert ctx_of({"model": "m", "input": "x", "user": "u"}, "responses").session.session == "user:u"
-    assert ctx_of({"model": "m", "input": "x"}, "responses", {"session_id": "cx"}).session.session == "cx"
+    assert codex.session.session == "user:conv-1@m"
+    assert ctx_of({"model": "m", "input": "x", "user": "u"}, "responses").session.session == "user:u@m"
+    assert ctx_of({"model": "m", "input": "x"}, "responses", {"session_id": "cx"}).session.session == "cx@m"
 
 
 SESSION_CFG = SessionConfig()

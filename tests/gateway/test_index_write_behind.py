@@ -132,20 +132,20 @@ async def test_upstream_is_sent_while_the_index_write_is_held_and_later_decision
         home = first.headers["x-kvgate-replica"]
         assert [fleet.url(seen.replica) for seen in fleet.seen] == [home]  # sent and answered ...
         await until(lambda: bool(client.waiting))  # ... while its write waits at the gate
-        assert clean.get(b"kvgate:s:user:s1") is None and not client.gate.is_set()
+        assert clean.get(b"kvgate:s:user:s1@m") is None and not client.gate.is_set()
 
         again = await http.post("/v1/chat/completions", content=chat("s1"))  # the session's next request
         assert (again.headers["x-kvgate-replica"], again.headers["x-kvgate-route-reason"]) == (home, "affinity")
         other = await http.post("/v1/chat/completions", content=chat("s2"))  # a new session, same prompt
         assert other.headers["x-kvgate-route-reason"] in ("prefix", "spread")  # it saw s1's placement
-        assert clean.get(b"kvgate:s:user:s1") is None
+        assert clean.get(b"kvgate:s:user:s1@m") is None
 
         client.gate.set()
         await index.flush()
-        assert clean.get(b"kvgate:s:user:s1") is not None
+        assert clean.get(b"kvgate:s:user:s1@m") is not None
         fresh = RedisPrefixIndex(cfg(redis_url, redis_write_behind=False))  # what another gateway reads
-        assert (await fresh.get_session("user:s1")) is not None
-        assert (await fresh.get_session("user:s1")).replica == home  # type: ignore[union-attr]
+        assert (await fresh.get_session("user:s1@m")) is not None
+        assert (await fresh.get_session("user:s1@m")).replica == home  # type: ignore[union-attr]
         await fresh.close()
 
 

@@ -100,4 +100,4 @@ def test_client_disconnect_releases_load(fleet3: SimFleet, make_gateway: Gateway
     # leaving the block closed the connection mid-stream
     wait_until(lambda: gw.replicas()[replica]["in_flight"] == 0, 15.0, "the lease of a disconnected client")
     metrics = httpx.get(gw.url + "/metrics", timeout=5.0).text
-    assert 'kvgate_requests_total{endpoint="chat",status="499"} 1.0' in metrics
+    assert 'kvgate_requests_total{endpoint="chat",model="tiny",status="499"} 1.0' in metrics

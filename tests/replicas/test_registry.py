@@ -455,3 +455,29 @@ async def test_a_replicas_view_is_kept_until_something_it_is_made_of_changes() -
             previous = view
         held = rec.view((300,))
         assert held is not previous and held.held_prefill == (300,)
+
+
+async def test_served_models_per_view_and_cached_union() -> None:
+    fleet = FakeFleet()
+    for url, model in ((A, "m1"), (B, "m2")):
+        fleet.add(url, model=model)
+    async with harness(A, B, fleet=fleet) as h:
+        assert h.reg.served_models() == frozenset({"m1", "m2"})
+        assert {v.id: v.models for v in h.reg.views()} == {A: frozenset({"m1"}), B: frozenset({"m2"})}
+        await h.reg.remove(B)
+        assert h.reg.served_models() == frozenset({"m1"})  # a replica leaving: recomputed
+        fleet.add(C, model="m3", ready=None)
+        await h.reg.add(C)
+        assert h.reg.served_models() == frozenset({"m1"})  # not probed yet: its models unknown
+        fleet.replicas[C].ready = 200
+        await h.reg.probe_all()
+        assert h.reg.served_models() == frozenset({"m1", "m3"})
+
+
+def test_served_cards_fall_back_to_server_info() -> None:
+    from replicas.probe import served_cards
+
+    card = {"id": "x"}
+    assert served_cards([card], Capacity(served_model_name="y")) == [card]
+    assert [c["id"] for c in served_cards(None, Capacity(served_model_name="y"))] == ["y"]
+    assert served_cards(None, Capacity()) == []

@@ -249,7 +249,7 @@ def test_whole_answers_keep_http_framing_pipelined_and_with_connection_close(gw:
     """Three requests pipelined on one connection get their three answers in order, each
     framed by its content-length, the last (``Connection: close``) closing the connection."""
     def request(tokens: int, close: bool = False) -> bytes:
-        body = json.dumps({"model": "m", "max_tokens": tokens,
+        body = json.dumps({"model": "tiny", "max_tokens": tokens,
                            "messages": [{"role": "user", "content": f"pipelined {tokens}"}]}).encode()
         extra = b"connection: close\r\n" if close else b""
         return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"

@@ -20,8 +20,8 @@ ABANDONED = 6  # of each kind: non-streaming, streaming
 
 def _count_499(gw: Gateway) -> float:
     text = httpx.get(gw.url + "/metrics", timeout=5.0).text
-    found = re.search(r'kvgate_requests_total\{endpoint="chat",status="499"\} (\S+)', text)
-    return float(found.group(1)) if found else 0.0
+    found = re.findall(r'kvgate_requests_total\{endpoint="chat",model="[^"]*",status="499"\} (\S+)', text)
+    return sum(float(n) for n in found)
 
 
 async def _abandon(url: str, i: int) -> None:

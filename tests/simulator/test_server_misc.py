@@ -108,3 +108,10 @@ def test_bad_profile_exits_2() -> None:
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "sim", "--profile", "no-such-profile"],
                        capture_output=True, timeout=30, check=False)
     assert r.returncode == 2 and b"unknown profile" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["", "a/b", ".."])
+def test_bad_model_name_exits_2(name: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "sim", "--profile", "tiny", "--model", name],
+                       capture_output=True, timeout=30, check=False)
+    assert r.returncode == 2 and b"--model" in r.stderr
