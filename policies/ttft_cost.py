@@ -24,9 +24,11 @@ seconds (see `policies/cache_aware.py` for why this rule, and README.md for para
                    its eviction term then gets no "previous turn resident" discount)
     interleave   = ceil(uncached / prefill_chunk_tokens) * decode_step_s, only on a
                    replica with requests running (chunks and decode steps alternate)
-    placement    = a NEW session only: spread_weight * (the replica's resident working
-                   set - the candidates' mean, when positive) / prefill_tokens_per_s
-                   (`policies.placement`: plan where the session will live)
+    placement    = a NEW session only: (spread_weight * (the replica's resident working
+                   set - the candidates' mean, when positive) + abandon_weight * (the
+                   prompt's longest match, when one replica alone holds it - what this
+                   replica holds of it)) / prefill_tokens_per_s (`policies.placement`:
+                   plan where the session will live)
 
 Matched tokens come from the prefix index (``inputs.matches``, device and host tiers,
 times ``ctx.block_tokens``). The gateway's own pending work and the replica's reported
@@ -65,7 +67,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.base import RequestContext, RoutingInputs
-from policies.placement import spread_mean
+from policies.placement import Placement, placement
 from policies.routing import is_exact
 from prefix_index.base import PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
@@ -95,7 +97,6 @@ class CacheAwareParams:
     prefill_chunk_tokens: int = 8192  # SGLang's chunked_prefill_size (large GPUs)
     decode_step_s: float = 0.015  # one decode step between two prefill chunks
     spread_weight: float = 1.0  # new sessions: x recompute of the working set above the mean
-    placement_max_shared_tokens: int = 32_768  # a longer match is the session's own KV
     lost_home_fraction: float = 0.25  # exact home match below this share of the last turn: lost
 
 
@@ -179,7 +180,7 @@ class RequestTerms:
     home_cached: int  # tokens the index says the session's replica holds (affinity)
     home_lost: bool  # its KV events say the home holds little of the last turn (`home_is_lost`)
     any_match: bool  # some replica holds a prefix (the subagent's parent guess is off)
-    spread_mean: float | None  # the placement term's mean working set (None: no term)
+    placement: Placement | None  # the placement term's fleet-wide inputs (None: no term)
 
 
 def home_is_lost(
@@ -206,7 +207,7 @@ def request_terms(
         home_cached=home_cached,
         home_lost=home_is_lost(ctx, inputs, home, home_cached, p),
         any_match=any(m.blocks for m in inputs.matches.values()),
-        spread_mean=spread_mean(ctx, inputs, p.spread_weight, p.placement_max_shared_tokens),
+        placement=placement(ctx, inputs, p.spread_weight),
     )
 
 
@@ -245,7 +246,7 @@ def candidate_costs(
     own_tokens = (t.home_cached if t.home_lost else session.tokens) if session is not None else 0
     extra = ctx.est_prompt_tokens + (ctx.max_tokens or 0)
     margin = 0.0 if t.home_lost else p.move_margin_s
-    mean = t.spread_mean
+    place = t.placement
     ids: list[ReplicaId] = []
     cached_l: list[int] = []
     uncached_l: list[int] = []
@@ -301,19 +302,21 @@ def candidate_costs(
             abandoned = t.home_cached - (prompt if prompt < held else held)
             affinity = margin + p.abandon_weight * (abandoned if abandoned > 0 else 0) / pf
         externality = uncached_s * (p.queue_externality + p.crowd_weight * crowd * uncached_s)
-        if mean is None:
-            placement = 0.0
+        if place is None:
+            placing = 0.0
         else:
-            excess = before - mean
-            placement = p.spread_weight * (0.0 if 0.0 > excess else excess) / pf
+            excess = before - place.mean_resident
+            left = place.sole_match_tokens - device - host
+            placing = (p.spread_weight * (0.0 if 0.0 > excess else excess)
+                       + p.abandon_weight * (0.0 if 0 > left else left)) / pf
         ids.append(rid)
         cached_l.append(device + host)
         uncached_l.append(uncached)
         prefill_l.append(prefill)
-        total_l.append(prefill + queue + interference + eviction + affinity + externality + placement)
+        total_l.append(prefill + queue + interference + eviction + affinity + externality + placing)
         if parts is not None:
             parts.append(TtftEstimate(rid, device + host, uncached, prefill, queue, interference, eviction,
-                                      affinity, externality, placement))
+                                      affinity, externality, placing))
     return Costs(ids, t, cached_l, uncached_l, prefill_l, total_l, parts)
 
 

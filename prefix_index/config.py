@@ -95,7 +95,7 @@ class IndexConfig(BaseModel):
     )
     redis_url: str | None = Field(default=None, description="redis://host:port/db; selects the Redis backend")
     key_prefix: str = Field(default="kvgate", description="Redis key prefix, so several fleets share one Redis")
-    session_ttl_s: float = Field(default=3600.0, description="forget a session this long after its last turn")
+    session_ttl_s: float = Field(default=14400.0, description="forget a session this long after its last turn")
     max_sessions: int = Field(
         default=1_000_000, ge=1,
         description="session table size bound: one more evicts the least recently used session (~400 B each)",

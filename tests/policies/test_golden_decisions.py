@@ -29,7 +29,7 @@ from tests.policies.support import ctx, rid, view
 GOLDEN = Path(__file__).parent / "data" / "golden_decisions.json"
 COUNTS = {1: 60, 3: 120, 8: 120, 64: 60, 512: 20}
 PARAMS: list[dict[str, Any]] = [
-    {}, {"spread_weight": 0.0}, {"spread_weight": 3.0, "placement_max_shared_tokens": 1_000_000},
+    {}, {"spread_weight": 0.0}, {"spread_weight": 3.0},
     {"tie_tolerance": 0.0, "move_margin_s": 0.0}, {"parent_prefix_fraction": 1.0, "abandon_weight": 0.0},
     {"prefill_chunk_tokens": 0}, {"tie_tolerance_s": 0.0}, {"lost_home_fraction": 0.9},
 ]
