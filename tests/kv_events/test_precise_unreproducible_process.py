@@ -47,6 +47,6 @@ def test_the_reason_is_in_the_log_the_metrics_and_the_admin_api(gateway: tuple[G
     assert "tokenization_mine.MyTokenizer" in status["detail"]
     assert "cannot be reproduced exactly" in gw.proc.output() and "unknown_tokenizer_class" in gw.proc.output()
     r = httpx.post(gw.url + "/v1/chat/completions", timeout=30.0, trust_env=False, json={
-        "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]})
+        "model": gw.replicas()[replica]["models"][0], "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]})
     assert r.status_code == 200 and r.headers["x-kvgate-replica"] == replica
     assert gw.metric('kvgate_precise_replicas{state="precise"}') == 0.0
