@@ -85,6 +85,7 @@ from replicas.discovery import make_discovery
 from replicas.probe import AiohttpGetter
 from replicas.registry import Registry
 from replicas.shared_state import SharedState
+from replicas.speed import fleet_seed
 
 log = logging.getLogger("kvgate.app")
 
@@ -247,7 +248,8 @@ def build_gateway(settings: Settings) -> Gateway:
     shared_cfg = settings.registry.shared
     shared = SharedState.from_url(shared_cfg) if shared_cfg.redis_url else None
     probes = AiohttpGetter(ssl=replica_ssl(settings.upstream))  # a pool of its own
-    registry = Registry(settings.registry, client, shared=shared, clock=time.time, probes=probes)
+    registry = Registry(settings.registry, client, shared=shared, clock=time.time, probes=probes,
+                        speed_seed=fleet_seed(settings.policy.params))
     return Gateway(settings, client, index, registry, policy, shared_state=shared is not None)
 
 

@@ -111,6 +111,12 @@ class GatewayMetrics:
             "probe_timeout)", ["replica", "reason"], registry=r)
         self.replica_ejected = Gauge("kvgate_replica_ejected", "1 while the replica is ejected as an outlier",
                                      ["replica"], registry=r)
+        self.replica_prefill_rate = Gauge(
+            "kvgate_replica_prefill_tokens_per_second",
+            "The replica's learned uncached prefill rate, as the cost model prices it", ["replica"], registry=r)
+        self.replica_decode_step = Gauge(
+            "kvgate_replica_decode_step_seconds",
+            "The replica's learned decode step, as the cost model prices it", ["replica"], registry=r)
         self.plugin_seconds = Counter("kvgate_policy_plugin_seconds",
                                       "Time spent in each policy plugin", ["plugin"], registry=r)
         self.desired_replicas = Gauge("kvgate_desired_replicas",
@@ -322,7 +328,8 @@ class GatewayMetrics:
     # -- fleet gauges, refreshed on scrape ----------------------------------------
     def refresh_fleet(self, views: Iterable[ReplicaView], stats: IndexStats | None) -> None:
         for gauge in (self.replica_state, self.replica_in_flight, self.replica_pending_prefill,
-                      self.index_blocks, self.replica_ejected, self.admission_held):
+                      self.index_blocks, self.replica_ejected, self.admission_held,
+                      self.replica_prefill_rate, self.replica_decode_step):
             gauge.clear()  # replicas that left disappear from the exposition
         for view in views:
             for state in ReplicaState:
@@ -331,6 +338,10 @@ class GatewayMetrics:
             self.replica_pending_prefill.labels(view.id).set(view.pending_prefill_tokens)
             self.replica_ejected.labels(view.id).set(1.0 if view.ejected else 0.0)
             self.admission_held.labels(view.id).set(len(view.held_prefill))
+            if view.prefill_tokens_per_s is not None:
+                self.replica_prefill_rate.labels(view.id).set(view.prefill_tokens_per_s)
+            if view.decode_step_s is not None:
+                self.replica_decode_step.labels(view.id).set(view.decode_step_s)
         if stats is not None:
             self.session_table_sessions.set(getattr(stats, "sessions", 0))
             delta = self._advance("session_evictions", float(getattr(stats, "session_evictions", 0)))

@@ -48,20 +48,19 @@ that dies under load must not fail the requests that were about to reach it.
 Streams are relayed as the replica's bytes arrive: one ASGI send per read, no decoding,
 no re-chunking, one stall timer per stream (``gateway.stall_watch``); ``usage`` is found
 by a byte search for the key and parsed once at the end (``gateway.relay.UsageSniffer``).
-Several gateways agree: with a Redis index in write-behind mode a turn's record reaches
-Redis after the request was sent upstream. Before any byte that can end a response
-reaches the client (a buffered answer; a stream's bytes after its first read, or a first
-read that already holds the stream's end) the proxy awaits the index's ``published``:
-the writes this gateway queued so far have reached Redis, at most
-``index.redis_visible_wait_s`` (a longer wait counts in ``kvgate_index_degraded_total``).
-So the client cannot send its next turn, through any gateway, before that gateway can
-see this one. A stream's first byte is not held (unless it is also its last).
+Several gateways agree: a Redis index in write-behind mode records a turn after its
+request was sent upstream, so before any byte that can end a response reaches the client
+(a buffered answer; a stream's bytes after its first read, or a first read that already
+holds the stream's end) the proxy awaits the index's ``published``: this gateway's queued
+writes have reached Redis, at most ``index.redis_visible_wait_s`` (a longer wait counts
+in ``kvgate_index_degraded_total``). So the client cannot send its next turn, through
+any gateway, before that gateway can see this one. Other first bytes are not held.
 
-The load lease is released and ``policy.on_completed`` called when the response ends,
-fails, or the client leaves (``RelayResponse`` runs the cleanup in a ``finally`` shielded
-from cancellation). A buffered answer (``AnsweredResponse``) runs the same bookkeeping
-right after its body is handed to the client's transport, so the client does not wait
-for it.
+The load lease is released, ``policy.on_completed`` called and a stream that ended well
+fed to its replica's learned speed (``replicas.speed``) when the response ends, fails, or
+the client leaves (``RelayResponse``: in a ``finally`` shielded from cancellation). A
+buffered answer (``AnsweredResponse``) does its part of this right after its body is handed to
+the client's transport, so the client does not wait for it.
 """
 from __future__ import annotations
 
@@ -105,12 +104,7 @@ from gateway.retry import PoisonBodies, RetryBudget
 from gateway.router import Router
 from gateway.scaling import HitWindow
 from gateway.stall_watch import StallWatch
-from gateway.upstream import (
-    ConnectFailed,
-    Upstream,
-    UpstreamFailure,
-    next_chunk,
-)
+from gateway.upstream import ConnectFailed, Upstream, UpstreamFailure, next_chunk
 from gateway.upstream_config import UpstreamConfig
 from policies.base import Decision, NoRoutableReplica, Outcome, RequestContext, RoutingInputs
 from prefix_index.base import ReplicaId
@@ -491,13 +485,15 @@ class Proxy:
                                    outcome.cached_tokens, outcome.prompt_tokens)
         if attempt.response is not None:
             await attempt.response.aclose()
-        metrics = self.metrics
-        metrics.usage(outcome.prompt_tokens, outcome.cached_tokens)
+        self.metrics.usage(outcome.prompt_tokens, outcome.cached_tokens)
         self.hits.record(attempt.decision.replica, outcome.cached_tokens)  # scale-in: recent hits
-        itl = None
+        itl = stream_s = None
         if (attempt.sniffer is not None and outcome.completion_tokens and outcome.completion_tokens > 1
                 and attempt.first_byte_s is not None and attempt.last_byte_s is not None):
-            itl = (attempt.last_byte_s - attempt.first_byte_s) / (outcome.completion_tokens - 1)
-        metrics.timing(outcome.ttft_s, itl, attempt.ctx.model)
+            itl = (stream_s := attempt.last_byte_s - attempt.first_byte_s) / (outcome.completion_tokens - 1)
+        self.metrics.timing(outcome.ttft_s, itl, attempt.ctx.model)
+        if outcome.ok and stream_s is not None:
+            self.registry.observe_speed(attempt.decision.replica, outcome.prompt_tokens, outcome.cached_tokens,
+                                        outcome.ttft_s, outcome.completion_tokens, stream_s)
         access_log.record(attempt.ctx, attempt.decision, outcome)
         await self.router.completed(attempt.ctx, attempt.decision, outcome)

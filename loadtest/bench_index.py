@@ -16,7 +16,7 @@ and random chains filling each replica to its capacity. Measured:
     python -m loadtest.bench_index --policy 8,64,512   # the cache-aware decision alone
 
 ``--policy``: the `cache-aware` policy's ``decide`` alone (no index) over N replicas of
-2M device + 4M host tokens with seeded random loads and working sets, half holding a
+2M device + 4M host tokens with seeded random loads, working sets and learned speeds, half holding a
 64-block shared prompt: a session's 100k-token turn (its home holds 1,500 blocks) and a
 new session's first turn (the placement and new-session terms apply). ``--with-policy``:
 the timed decisions also run that decision over the index's matches. ``--churn N``: N
@@ -347,7 +347,8 @@ def policy_inputs(n: int, new_session: bool, seed: int) -> tuple[RequestContext,
         ReplicaId(f"http://10.0.0.{i}:30000"), ReplicaState.ACTIVE, 2_000_000, 4_000_000, 64, 64,
         in_flight=rng.randint(0, 40), pending_prefill_tokens=rng.randint(0, 200_000), decoding=rng.randint(0, 40),
         reported_running=rng.randint(0, 40), reported_waiting=rng.randint(0, 8),
-        reported_waiting_uncached_tokens=rng.randint(0, 200_000)) for i in range(n))
+        reported_waiting_uncached_tokens=rng.randint(0, 200_000),
+        prefill_tokens_per_s=rng.uniform(30_000, 60_000), decode_step_s=rng.uniform(0.012, 0.02)) for i in range(n))
     matches = {v.id: PrefixMatch(64 if i % 2 else 0) for i, v in enumerate(views)}
     session = None if new_session else SessionEntry(views[0].id, 96_000, 0.0)
     if session is not None:

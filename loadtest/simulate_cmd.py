@@ -33,7 +33,7 @@ from loadtest.fleetsim.precise import INDEX_MODES
 from loadtest.fleetsim.run import SimConfig, run_policy
 from loadtest.fleetsim.sessions import Pacing
 from loadtest.fleetsim.table import results_table
-from loadtest.simulator.profile import DEFAULT_PROFILE, load_profile
+from loadtest.simulator.profile import DEFAULT_PROFILE, Profile, load_profile
 from loadtest.traces import LoadReport
 from loadtest.workload import Workload
 from policies.registry import DEFAULT_POLICY, POLICY_NAMES
@@ -45,7 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("claude-code", "mooncake", "bailian", "synthetic"), default=None,
                    help="trace format (default: detected)")
     p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help="simulator profile name or .toml path")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="simulator profile name or .toml path; a mixed fleet as NAME:COUNT[,NAME:COUNT...] "
+                        "(e.g. kimi-k2.6-b200-tp8:4,kimi-k2.6-b300-tp8:4; sets --replicas)")
+    p.add_argument("--speeds", choices=("learned", "fleet"), default="learned",
+                   help="learned: the policy prices each replica at the speed learned from its requests, as the "
+                        "gateway does (replicas/speed.py); fleet: every replica at the policy's constants")
     p.add_argument("--gpus-per-replica", type=int, default=None, help="default: the profile's tp_size")
     p.add_argument("--kv-scale", type=float, default=1.0,
                    help="scale the replicas' KV pools (device and host tokens), as `bench peers` does")
@@ -119,8 +124,22 @@ def index_modes(spec: str) -> list[str]:
     return modes
 
 
-def make_config(args: argparse.Namespace) -> SimConfig:
-    profile = load_profile(args.profile)
+def fleet_profiles(spec: str) -> list[tuple[str, int]]:
+    """``NAME:COUNT[,NAME:COUNT...]`` -> [(name, count)]; a plain name -> [(name, 0)]
+    (0: the ``--replicas`` count)."""
+    parts = []
+    for part in spec.split(","):
+        name, sep, count = part.strip().rpartition(":")
+        if not sep or not count.isdigit():
+            name, count = part.strip(), "0"
+        parts.append((name, int(count)))
+    if len(parts) > 1 and any(n == 0 for _, n in parts):
+        raise SystemExit(f"--profile {spec!r}: every part of a mixed fleet needs its count (NAME:COUNT)")
+    return parts
+
+
+def _adjusted(args: argparse.Namespace, name: str) -> Profile:
+    profile = load_profile(name)
     if args.context_length is not None:
         profile = profile.replace(context_length=args.context_length)
     if args.kv_scale != 1.0:
@@ -128,6 +147,17 @@ def make_config(args: argparse.Namespace) -> SimConfig:
             name=f"{profile.name}-kv{args.kv_scale:g}",
             device_tokens=max(1, int(profile.device_tokens * args.kv_scale)),
             host_tokens=max(1, int(profile.host_tokens * args.kv_scale)))
+    return profile
+
+
+def make_config(args: argparse.Namespace) -> SimConfig:
+    parts = fleet_profiles(args.profile)
+    mixed: tuple[Profile, ...] = ()
+    replicas = args.replicas
+    if parts[0][1] > 0:
+        mixed = tuple(pr for name, n in parts for pr in [_adjusted(args, name)] * n)
+        replicas = len(mixed)
+    profile = mixed[0] if mixed else _adjusted(args, parts[0][0])
     pacing = Pacing(
         sessions_concurrent=None if args.session_rate else (args.sessions_concurrent or 64),
         session_rate=args.session_rate, think_scale=args.think_scale, max_think_s=args.max_think_s,
@@ -137,17 +167,25 @@ def make_config(args: argparse.Namespace) -> SimConfig:
     overrides = {name: value for name in ("budget_tokens", "max_wait_s", "bypass_factor")
                  if (value := getattr(args, f"admission_{name}", None)) is not None}
     admission = AdmissionConfig(enabled=getattr(args, "admission", "on") == "on", **overrides)
-    return SimConfig(profile=profile, replicas=args.replicas,
+    return SimConfig(profile=profile, replicas=replicas, replica_profiles=mixed, speeds=args.speeds,
                      gpus_per_replica=args.gpus_per_replica or profile.tp_size or 8, pacing=pacing,
                      seed=args.seed, max_requests=args.max_requests, sim_duration_s=args.sim_duration_s,
                      loads_poll_interval_s=args.loads_poll_s, policy_params=params,
                      index_mode=index_modes(getattr(args, "index", "approximate"))[0], admission=admission)
 
 
+def fleet_name(cfg: SimConfig) -> str:
+    """The profile's name, or a mixed fleet's NAME:COUNT list."""
+    if not cfg.replica_profiles:
+        return cfg.profile.name
+    names = [pr.name for pr in cfg.replica_profiles]
+    return ",".join(f"{n}:{names.count(n)}" for n in dict.fromkeys(names))
+
+
 def config_dict(args: argparse.Namespace, cfg: SimConfig, workload: Workload) -> dict[str, Any]:
     return {"trace": args.trace, "format": workload.name, "sessions": len(workload.sessions),
             "skip_sessions": args.skip_sessions, "kv_scale": args.kv_scale,
-            "trace_requests": workload.request_count(), "profile": cfg.profile.name,
+            "trace_requests": workload.request_count(), "profile": fleet_name(cfg), "speeds": cfg.speeds,
             "context_length": cfg.profile.context_length, "replicas": cfg.replicas,
             "gpus_per_replica": cfg.gpus_per_replica, "pacing": dataclasses.asdict(cfg.pacing),
             "open_loop": workload.open_loop, "seed": cfg.seed, "max_requests": cfg.max_requests,

@@ -4,6 +4,8 @@ Per candidate replica, the estimated time to first token of this request there, 
 seconds (see `policies/cache_aware.py` for why this rule, and README.md for params):
 
     prefill      = uncached / prefill_tokens_per_s + host_hit / host_load_tokens_per_s
+                   (prefill_tokens_per_s and decode_step_s: the replica's own learned figures,
+                   `ReplicaView`, where it has them; decode_weight_s scales with its step)
     queue        = max(pending_prefill_tokens, reported_waiting_uncached_tokens)
                    / prefill_tokens_per_s
                    (with requests held by admission: only the released part and the held
@@ -71,6 +73,7 @@ from policies.placement import Placement, placement
 from policies.routing import is_exact
 from prefix_index.base import PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
+from replicas.speed import FLEET_DECODE_STEP_S, FLEET_PREFILL_TOKENS_PER_S
 
 _NO_MATCH = PrefixMatch()
 _ID = operator.attrgetter("id")
@@ -78,7 +81,8 @@ _ID = operator.attrgetter("id")
 
 @dataclass(frozen=True, slots=True)
 class CacheAwareParams:
-    prefill_tokens_per_s: float = 40_000.0  # uncached prefill throughput of one replica
+    prefill_tokens_per_s: float = FLEET_PREFILL_TOKENS_PER_S  # a replica's uncached prefill rate, when its
+    # view has none of its own (ReplicaView.prefill_tokens_per_s, learned: replicas/speed.py)
     host_load_tokens_per_s: float = 1_000_000.0  # HiCache host -> device load throughput
     decode_weight_s: float = 0.002  # prefill slowdown per running decode request
     saturation_penalty_s: float = 0.5  # wait per request beyond max_running_requests
@@ -95,7 +99,8 @@ class CacheAwareParams:
         0.5  # share of a subagent's prompt assumed cached on the parent's replica
     )
     prefill_chunk_tokens: int = 8192  # SGLang's chunked_prefill_size (large GPUs)
-    decode_step_s: float = 0.015  # one decode step between two prefill chunks
+    decode_step_s: float = FLEET_DECODE_STEP_S  # one decode step between two prefill chunks (when the
+    # view has none of its own, ReplicaView.decode_step_s)
     spread_weight: float = 1.0  # new sessions: x recompute of the working set above the mean
     lost_home_fraction: float = 0.25  # exact home match below this share of the last turn: lost
 
@@ -237,8 +242,9 @@ def candidate_costs(
     (`estimate`), for tests and inspection."""
     t = request_terms(ctx, inputs, home, p)
     prompt, bt = max(ctx.est_prompt_tokens, 0), ctx.block_tokens
-    pf, hl = p.prefill_tokens_per_s, p.host_load_tokens_per_s
-    chunk, step, decode_w = p.prefill_chunk_tokens, p.decode_step_s, p.decode_weight_s
+    fleet_pf, hl = p.prefill_tokens_per_s, p.host_load_tokens_per_s
+    chunk, fleet_step, fleet_decode_w = p.prefill_chunk_tokens, p.decode_step_s, p.decode_weight_s
+    decode_w_per_step = fleet_decode_w / fleet_step if fleet_step > 0 else 0.0
     matches, resident, session, parent = inputs.matches, inputs.resident_tokens, inputs.session, inputs.parent_session
     # the eviction term: on the session's replica its previous turn is already resident
     # (a lost home holds only what its events say)
@@ -257,6 +263,14 @@ def candidate_costs(
     # (the builtins' very results, -0.0 and NaN included), without a call each
     for v in candidates:
         rid = v.id
+        # the replica's own speed where it has one (a decode step scales the per-request
+        # decode weight with it), else the fleet-wide constants
+        pf = v.prefill_tokens_per_s or fleet_pf
+        step = v.decode_step_s
+        if step is None:
+            step, decode_w = fleet_step, fleet_decode_w
+        else:
+            decode_w = decode_w_per_step * step
         m = matches.get(rid, _NO_MATCH)
         device = m.device_blocks * bt
         device = prompt if prompt < device else device

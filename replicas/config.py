@@ -79,6 +79,9 @@ class RegistryConfig(BaseModel):
     replicas: list[str] = Field(default_factory=list, description=(
         "static replica URLs, each kept in its canonical spelling (replicas/urls.py): one replica is one entry"))
     discovery: Literal["static", "dns", "kubernetes"] = "static"
+    learn_speeds: bool = Field(default=True, description=(
+        "learn each replica's prefill rate and decode step from the requests it serves (replicas/speed.py) "
+        "and price it by them; off, every replica gets the policy's fleet-wide constants"))
     probe_interval_s: float = Field(default=2.0, description=(
         "readiness probe of every replica this often (a self-drain or death is seen within it); "
         "~0.2 ms CPU a GET plus the wake-up: docs/benchmarks.md section 3"))

@@ -50,6 +50,10 @@ class ReplicaView:
     drain_deadline_s: float | None = None
     removal_candidate: bool = False  # scale-in chose this replica: steer its sessions away
     ejected: bool = False  # an outlier (replicas/outlier.py): no requests until its ejection ends
+    # its own speed, learned from what the gateway observes (replicas/speed.py); None: the
+    # policy's fleet-wide constant
+    prefill_tokens_per_s: float | None = None
+    decode_step_s: float | None = None
 
     def prefill_ahead(self, uncached_tokens: int) -> int:
         """Predicted prefill tokens served before a new request of ``uncached_tokens`` here.

@@ -22,6 +22,7 @@ from replicas.load import LoadCounters
 from replicas.model import ReplicaState, ReplicaView
 from replicas.outlier import OutlierDetector
 from replicas.probe import Capacity, ReadyPath, ReportedLoad
+from replicas.speed import ReplicaSpeed
 
 log = logging.getLogger("replicas.registry")
 
@@ -60,6 +61,7 @@ class ReplicaRecord:
     model_cards: tuple[dict[str, Any], ...] | None = None  # None until /v1/models answered
     models: frozenset[str] = frozenset()  # the cards' ids (set with them)
     ejected: bool = False  # set and cleared by the registry from its OutlierDetector
+    speed: ReplicaSpeed | None = None  # learned speed (replicas/speed.py); None: not learning
     _view: ReplicaView | None = field(default=None, repr=False)  # the last view, and what it was made of
     _view_of: tuple[object, ...] = field(default=(), repr=False)
 
@@ -81,14 +83,19 @@ class ReplicaRecord:
         c, r = self.counters, self.remote
         made_of = (self.state, c.in_flight, c.pending_prefill_tokens, c.decoding, r.in_flight,
                    r.pending_prefill_tokens, r.decoding, self.capacity, self.reported, self.drain,
-                   self.removal_candidate, self.ejected, held_prefill, self.models)
+                   self.removal_candidate, self.ejected, held_prefill, self.models, *self._speeds())
         if self._view is None or made_of != self._view_of:
             self._view = self._build_view(held_prefill)
         self._view_of = made_of  # (an equal new object, e.g. the same loads polled again: compared by identity next time)
         return self._view
 
+    def _speeds(self) -> tuple[float | None, float | None]:
+        s = self.speed
+        return (None, None) if s is None else (s.prefill_tokens_per_s, s.decode_step_s)
+
     def _build_view(self, held_prefill: tuple[int, ...]) -> ReplicaView:
         cap = self.capacity or Capacity()
+        prefill_rate, decode_step = self._speeds()
         c, r, rep = self.counters, self.remote, self.reported
         return ReplicaView(
             id=self.id,
@@ -110,6 +117,8 @@ class ReplicaRecord:
             drain_deadline_s=self.drain.deadline_s if self.drain else None,
             removal_candidate=self.removal_candidate,
             ejected=self.ejected,
+            prefill_tokens_per_s=prefill_rate,
+            decode_step_s=decode_step,
         )
 
 

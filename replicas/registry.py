@@ -34,6 +34,7 @@ from replicas.outlier import OutlierDetector
 from replicas.record import Ejections, RegistryListener, ReplicaRecord, ReplicaTable, normalize_url
 from replicas.shared_state import SharedSnapshot, SharedState
 from replicas.shared_sync import SharedDiff, SharedLink
+from replicas.speed import FLEET_DECODE_STEP_S, FLEET_PREFILL_TOKENS_PER_S, ReplicaSpeed
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,12 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         shared: SharedState | None = None,
         probes: probe.Getter | None = None,
+        speed_seed: tuple[float, float] = (FLEET_PREFILL_TOKENS_PER_S, FLEET_DECODE_STEP_S),
     ) -> None:
-        """``probes``: how probes and load polls GET (default: over ``client``); the
-        registry closes it at ``stop``."""
+        """``probes``: how probes and load polls GET (default: over ``client``), closed at
+        ``stop``; ``speed_seed``: every replica's learned speed starts there (`speed.fleet_seed`)."""
         self.config = config
+        self._speed_seed = speed_seed
         self._get = probes or probe.HttpxGetter(client)
         self._clock = clock
         self._link = SharedLink(shared, config.shared) if shared is not None else None
@@ -217,8 +220,15 @@ class Registry:
             added_at_s=self._clock(),
             health=HealthTracker(c.unhealthy_after_failures, c.healthy_after_successes),
             static=rid in self._static,
+            speed=ReplicaSpeed.seeded(*self._speed_seed) if c.learn_speeds else None,
         )
         return self._table.add(rec)
+
+    def observe_speed(self, url: str, prompt_tokens: int | None, cached_tokens: int | None, ttft_s: float | None,
+                      output_tokens: int | None, stream_s: float | None) -> None:
+        """A finished stream's usage and timings, for the replica's learned speed (`ReplicaSpeed.observe`)."""
+        if (rec := self._table.records.get(normalize_url(url))) is not None and rec.speed is not None:
+            rec.speed.observe(prompt_tokens, cached_tokens, ttft_s, output_tokens, stream_s)
 
     async def remove(self, url: str) -> None:
         rid = self._table.require(url).id

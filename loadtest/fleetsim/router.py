@@ -19,7 +19,9 @@ for a real one, with the real policy and the real embedded index:
    counts the request.
 5. On the first token ``lease.first_byte()``; on the end ``lease.release()`` and
    ``policy.on_completed`` with an ``Outcome`` carrying the engine's ``cached_tokens``, so
-   the index feedback (truncate on over-prediction) runs as in production.
+   the index feedback (truncate on over-prediction) runs as in production; the replica's
+   learned speed (``replicas.speed``) is fed as the gateway feeds the registry's, and the
+   views carry it (mixed fleets: each replica has its own capacity and speed).
 
 Precise mode (``route(..., precise=matches)``, `loadtest.fleetsim.precise`): the matches
 of the replicas in ``precise`` (tokens, from the engines' KV events) replace the
@@ -35,7 +37,7 @@ fails loudly should a backend ever really wait).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from loadtest.fleetsim.sync import finished
@@ -53,6 +55,7 @@ from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, Replica
 from replicas.load import LoadCounters, LoadLease
 from replicas.model import ReplicaState, ReplicaView
 from replicas.probe import Capacity, ReportedLoad
+from replicas.speed import ReplicaSpeed
 
 
 def reported_load(s: EngineStats) -> ReportedLoad:
@@ -64,13 +67,18 @@ def reported_load(s: EngineStats) -> ReportedLoad:
 class SimRouter:
     """Routing for one simulated fleet (see the module docstring)."""
 
-    def __init__(self, policy: Policy, index: PrefixIndex, ids: list[ReplicaId], spec: Capacity,
+    def __init__(self, policy: Policy, index: PrefixIndex, ids: list[ReplicaId], specs: Sequence[Capacity],
                  snapshot: Any, block_tokens: int, seed: int, loads_poll_interval_s: float = 1.0,
-                 held_prefill: Callable[[ReplicaId], tuple[int, ...]] | None = None) -> None:
+                 held_prefill: Callable[[ReplicaId], tuple[int, ...]] | None = None,
+                 speeds: Sequence[ReplicaSpeed] | None = None) -> None:
+        """``specs``: each replica's capacity (aligned with ``ids``); ``speeds``: each
+        replica's learned speed, fed by `completed` as the gateway feeds the registry's
+        (None: the views carry none, the policy prices every replica at its constants)."""
         self.policy = policy
         self.index = index
         self.ids = ids
-        self.spec = spec
+        self.specs = list(specs)
+        self.speeds = list(speeds) if speeds is not None else None
         self._snapshot = snapshot  # engine index -> EngineStats at the current time
         self.core = RoutingCore(policy, random.Random(seed))  # the resident window is the policy's
         self.poll_s = loads_poll_interval_s
@@ -80,9 +88,9 @@ class SimRouter:
         self._last_poll_s = -float("inf")
         self.polls = 0
         self._slot = {rid: i for i, rid in enumerate(ids)}
-        capacity = ReplicaCapacity(spec.device_tokens // block_tokens, spec.host_tokens // block_tokens)
-        for rid in ids:
+        for rid, spec in zip(ids, self.specs, strict=True):
             policy.on_replica_added(rid)
+            capacity = ReplicaCapacity(spec.device_tokens // block_tokens, spec.host_tokens // block_tokens)
             finished(index.set_capacity(rid, capacity))
 
     def slot(self, rid: ReplicaId) -> int:
@@ -97,7 +105,7 @@ class SimRouter:
 
     def views(self, now_s: float) -> tuple[ReplicaView, ...]:
         self._poll(now_s)
-        s = self.spec
+        speeds = self.speeds
         return tuple(
             ReplicaView(
                 id=rid, state=ReplicaState.ACTIVE, device_tokens=s.device_tokens,
@@ -108,8 +116,10 @@ class SimRouter:
                 reported_running=r.running, reported_waiting=r.waiting,
                 reported_waiting_uncached_tokens=r.waiting_uncached_tokens,
                 reported_token_usage=r.token_usage, added_at_s=0.0,
+                prefill_tokens_per_s=None if speeds is None else speeds[i].prefill_tokens_per_s,
+                decode_step_s=None if speeds is None else speeds[i].decode_step_s,
             )
-            for rid, c, r in zip(self.ids, self.counters, self.reported)
+            for i, (rid, s, c, r) in enumerate(zip(self.ids, self.specs, self.counters, self.reported))
         )
 
     def inputs(self, ctx: RequestContext, now_s: float,
@@ -148,5 +158,10 @@ class SimRouter:
         lease = LoadLease(decision.replica, self.counters[slot], decision.predicted_uncached_tokens)
         return decision, lease
 
-    def completed(self, ctx: RequestContext, decision: Decision, outcome: Outcome, now_s: float) -> None:
+    def completed(self, ctx: RequestContext, decision: Decision, outcome: Outcome, now_s: float,
+                  stream_s: float | None = None) -> None:
+        """``stream_s``: first to last token (the learned decode speed)."""
+        if self.speeds is not None and outcome.ok:
+            self.speeds[self._slot[decision.replica]].observe(
+                outcome.prompt_tokens, outcome.cached_tokens, outcome.ttft_s, outcome.completion_tokens, stream_s)
         finished(self.policy.on_completed(ctx, decision, outcome, self.index, now_s))

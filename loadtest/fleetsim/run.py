@@ -56,6 +56,7 @@ from prefix_index.local_index import embedded_index
 from replicas.admission import Ticket
 from replicas.load import LoadLease
 from replicas.probe import Capacity
+from replicas.speed import ReplicaSpeed, fleet_seed
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,15 @@ class SimConfig:
     policy_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     index_mode: str = "approximate"  # or "precise" (loadtest.fleetsim.precise)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # the gateway's (gateway.admission)
+    # a mixed fleet: replica i runs replica_profiles[i] (empty: every replica runs ``profile``)
+    replica_profiles: tuple[Profile, ...] = ()
+    # "learned": each replica's speed learned as the gateway learns it (replicas/speed.py, seeded
+    # from the fleet constants); "fleet": the policy prices every replica at its constants
+    speeds: str = "learned"
+
+    def profiles(self) -> tuple[Profile, ...]:
+        """Replica i's profile, for every replica."""
+        return self.replica_profiles or (self.profile,) * self.replicas
 
 
 @dataclass
@@ -122,7 +132,8 @@ class FleetRun:
         self.cfg = cfg
         self.workload = workload
         prof = cfg.profile
-        self.engines = [ReplicaEngine(prof, seed=cfg.seed + i) for i in range(cfg.replicas)]
+        profiles = cfg.profiles()
+        self.engines = [ReplicaEngine(pr, seed=cfg.seed + i) for i, pr in enumerate(profiles)]
         self.fleet = VirtualFleet(self.engines)
         # the index's session clock is the virtual clock; block hashes are chains (the traces'
         # hash ids are: equal id = equal prefix), as the gateway's are
@@ -130,12 +141,14 @@ class FleetRun:
         block = workload.sessions[0].block_size if workload.sessions else 64
         self.want_text = policy_name in POLICIES_NEEDING_ROUTING_TEXT
         self.policy = make_policy(policy_name, self._params(policy_name, block), cfg.seed)
-        spec = Capacity(prof.device_tokens, prof.host_tokens, prof.page_size, prof.max_running_requests,
-                        prof.served_model_name)
-        ids = [ReplicaId(f"sim-{i}") for i in range(cfg.replicas)]
+        specs = [Capacity(pr.device_tokens, pr.host_tokens, pr.page_size, pr.max_running_requests,
+                          pr.served_model_name) for pr in profiles]
+        ids = [ReplicaId(f"sim-{i}") for i in range(len(profiles))]
         self.admission = SimAdmission(cfg.admission, self.fleet)
-        self.router = SimRouter(self.policy, self.index, ids, spec, self.fleet.snapshot, block, cfg.seed,
-                                cfg.loads_poll_interval_s, held_prefill=self.admission.held)
+        seed = fleet_seed(cfg.policy_params.get(policy_name) or {})  # as the gateway seeds them
+        self.speeds = [ReplicaSpeed.seeded(*seed) for _ in ids] if cfg.speeds == "learned" else None
+        self.router = SimRouter(self.policy, self.index, ids, specs, self.fleet.snapshot, block, cfg.seed,
+                                cfg.loads_poll_interval_s, held_prefill=self.admission.held, speeds=self.speeds)
         self.precise: PreciseFleetIndex | None = None
         if cfg.index_mode == "precise":
             self.precise = PreciseFleetIndex(prof.page_size)
@@ -229,6 +242,7 @@ class FleetRun:
         rec.finish_s = now_s
         f.lease.release()
         self.admission.done(f.ticket)
+        stream_s = None
         if result.finish_reason == "abort":
             rec.rejected = True
             outcome = Outcome(ok=False, status=503)
@@ -237,13 +251,14 @@ class FleetRun:
             rec.cached_device, rec.cached_host = result.cached_device, result.cached_host
             rec.first_token_s = result.first_token_s
             ttft = None if result.first_token_s is None else result.first_token_s - rec.arrival_s
+            stream_s = None if result.first_token_s is None else now_s - result.first_token_s
             outcome = Outcome(ok=True, status=200, prompt_tokens=result.prompt_tokens,
                               cached_tokens=result.cached_tokens,
                               completion_tokens=result.completion_tokens, ttft_s=ttft)
         if outcome.ok:
             self.admission.observe(f.decision.replica, f.decision.predicted_cached_tokens, outcome.cached_tokens,
                                    outcome.prompt_tokens)
-        self.router.completed(f.ctx, f.decision, outcome, now_s)
+        self.router.completed(f.ctx, f.decision, outcome, now_s, stream_s)
         f.on_done(now_s)
 
     # -- the run -----------------------------------------------------------------------
@@ -265,9 +280,17 @@ class FleetRun:
                        wall_s=wall, cpu_s=time.process_time() - cpu0, load_polls=self.router.polls,
                        evicted_tokens=sum(s.evicted_tokens_total for s in stats),
                        host_dropped_tokens=sum(s.host_dropped_tokens_total for s in stats),
-                       ttft_tail=tail_breakdown(self.records))
+                       ttft_tail=tail_breakdown(self.records), speeds=self._speeds())
         return SimRunResult(self.policy.name, self.records, summary, wall)
 
+    def _speeds(self) -> list[dict[str, Any]] | None:
+        """Each replica's learned figures at the end, beside its profile's."""
+        if self.speeds is None:
+            return None
+        return [{"profile": pr.name, "prefill_tokens_per_s": round(sp.prefill_tokens_per_s),
+                 "profile_prefill_tokens_per_s": pr.prefill_tokens_per_s,
+                 "decode_step_s": round(sp.decode_step_s, 4), "profile_decode_step_base_s": pr.decode_step_base_s}
+                for sp, pr in zip(self.speeds, self.cfg.profiles(), strict=True)]
 
     def _prediction_share(self) -> float | None:
         page = self.cfg.profile.page_size

@@ -57,7 +57,7 @@ async def test_gateway_router_and_fleetsim_decide_alike() -> None:
     seed = 7
     sim_policy = make_policy("cache-aware", {}, seed)
     sim_index = make_index(IndexConfig())
-    sim = SimRouter(sim_policy, sim_index, list(IDS), SPEC, stats, block_tokens=64, seed=seed)
+    sim = SimRouter(sim_policy, sim_index, list(IDS), [SPEC] * len(IDS), stats, block_tokens=64, seed=seed)
 
     gw_policy = make_policy("cache-aware", {}, seed)
     gw_index = make_index(IndexConfig())
