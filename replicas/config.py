@@ -129,5 +129,9 @@ class RegistryConfig(BaseModel):
     dns_interval_s: float = 10.0
     # kubernetes discovery
     k8s_namespace: str | None = None
-    k8s_service: str | None = None
+    k8s_service: str | None = Field(default=None, description=(
+        "watch the EndpointSlices of this Service (one replica pool); k8s_selector instead for several"))
+    k8s_selector: str | None = Field(default=None, description=(
+        "watch every EndpointSlice matching this label selector (e.g. 'kvgate.io/replicas=true': one "
+        "per replica pool's Service, whose labels Kubernetes copies onto its slices); wins over k8s_service"))
     k8s_port_name: str | None = None

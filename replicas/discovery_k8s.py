@@ -1,6 +1,13 @@
-"""Kubernetes discovery: list + watch the EndpointSlices of the replicas' Service.
+"""Kubernetes discovery: list + watch the EndpointSlices of the replicas' Service(s).
 
-The API calls are ``replicas.kube``'s (kubernetes-asyncio): list the Service's slices,
+Which slices: those of one Service (``k8s_service``: label ``kubernetes.io/service-name``)
+or every slice matching a label selector (``k8s_selector``): one replica pool per model
+is one Service, and Kubernetes copies a Service's labels onto its EndpointSlices, so
+``kvgate.io/replicas=true`` on each pool's Service finds every pool with one watch
+(deploy/README.md, "Several models"). Which model a replica serves is not taken from
+labels: its ``/v1/models`` says (``replicas.probe``), whatever the pool is called.
+
+The API calls are ``replicas.kube``'s (kubernetes-asyncio): list the matching slices,
 then watch from the list's ``resourceVersion`` with bookmarks (a ``BOOKMARK`` only
 advances the version); a watch the server ends (``timeout_s``) is resumed from the last
 version seen; ``410 Gone`` (HTTP status or ERROR event) means "relist"; any other failure
@@ -83,13 +90,23 @@ def slice_endpoints(obj: Mapping[str, Any], port_name: str | None, *,
     return out
 
 
+def slice_selector(config: RegistryConfig) -> str:
+    """The label selector of the replicas' EndpointSlices: ``k8s_selector`` as it is, else
+    the slices of Service ``k8s_service``."""
+    if config.k8s_selector:
+        return config.k8s_selector
+    if config.k8s_service:
+        return f"kubernetes.io/service-name={config.k8s_service}"
+    raise ValueError("registry.discovery = 'kubernetes' needs registry.k8s_selector or registry.k8s_service")
+
+
 class EndpointSliceDiscovery:
-    """List + watch the Service's EndpointSlices and drive the target (module doc)."""
+    """List + watch the EndpointSlices ``selector`` matches and drive the target (module doc)."""
 
     def __init__(
         self,
         api: ApiServer,
-        service: str,
+        selector: str,
         target: DiscoveryTarget,
         *,
         port_name: str | None = None,
@@ -99,7 +116,7 @@ class EndpointSliceDiscovery:
     ) -> None:
         self._api, self._target, self._port_name = api, target, port_name
         self._allow_link_local = allow_link_local
-        self._selector = f"kubernetes.io/service-name={service}"
+        self._selector = selector  # a label selector of EndpointSlices (slice_selector)
         self._watch_timeout_s, self._retry_s = watch_timeout_s, retry_s
         self._slices: dict[str, dict[ReplicaId, EndpointState]] = {}
         self._known: dict[ReplicaId, EndpointState] = {}  # what the target was told
@@ -107,9 +124,8 @@ class EndpointSliceDiscovery:
 
     @classmethod
     def from_config(cls, config: RegistryConfig, target: DiscoveryTarget) -> EndpointSliceDiscovery:
-        if not config.k8s_service:
-            raise ValueError("registry.discovery = 'kubernetes' needs registry.k8s_service")
-        return cls(ApiServer.from_environment(config.k8s_namespace), config.k8s_service, target,
+        selector = slice_selector(config)  # a config error first, before any environment lookup
+        return cls(ApiServer.from_environment(config.k8s_namespace), selector, target,
                    port_name=config.k8s_port_name, allow_link_local=config.allow_link_local_replicas)
 
     def _endpoints(self, obj: Mapping[str, Any]) -> dict[ReplicaId, EndpointState]:

@@ -8,6 +8,14 @@ Helm expression of its value (``SENTINELS``) and every ``{{``/``}}`` already in 
 (Grafana legends, alert annotations) is escaped so Helm prints it as it is. Objects that
 are the same in both overlays go to ``templates/``, the others to ``templates/<fleet>/``
 under ``{{- if eq .Values.fleet "<fleet>" }}``; a few kinds get an on/off value (``TOGGLES``).
+
+Replica pools: the objects of pool ``sglang`` (``POOL_KINDS``: its Deployment, Service, PDB
+and ScaledObject) become ``templates/[<fleet>/]pool-<kind>.yaml``, rendered once per entry
+of ``.Values.pools`` (``pool_template``): the pool's name replaces ``sglang`` in their names
+and ``app.kubernetes.io/name`` labels, its served model the overlay's (``kvgate.io/model``,
+``--model`` / ``--served-model-name``), and ``modelPath``, ``draftModelPath``, ``replicas``,
+``resources`` (the ``sglang`` container's), when set, the overlay's values, which stay the
+defaults; ``autoscale: false`` drops its ScaledObject.
 ``values.yaml`` is written by hand; tests/deploy/test_helm.py checks that ``helm template``
 with its defaults equals ``kubectl kustomize`` of each overlay, and with other values equals
 the site overlay with the same values.
@@ -122,11 +130,82 @@ def wrap(text: str, conditions: list[str]) -> str:
     return text
 
 
+POOL = "sglang"  # the overlays' one pool: its objects are the per-pool templates
+POOL_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ScaledObject")
+POOL_REQUIRED = '{{- $_ := required "every entry of pools needs name and model" (and $pool.name $pool.model) }}\n'
+
+
+def _sub(pattern: str, repl: str, text: str, *, count: int | None = None) -> str:
+    """``re.sub`` that must match (``count`` times when given): a pool value never lost silently."""
+    out, n = re.subn(pattern, repl, text, flags=re.MULTILINE)
+    if n == 0 or (count is not None and n != count):
+        raise SystemExit(f"pool template: {pattern!r} matched {n} times")
+    return out
+
+
+def _arg_value(text: str, flag: str, expr: str) -> str:
+    """The list item after ``- <flag>`` (a command-line value) -> ``expr``."""
+    return _sub(rf"^(\s+- {re.escape(flag)}\n\s+- ).*$", rf"\g<1>{expr}", text, count=1)
+
+
+def _container_resources(text: str) -> str:
+    """The ``sglang`` container's ``resources:`` block -> the pool's, the overlay's by default."""
+    items = re.split(r"(?m)^(?=      - )", text)  # containers (and other lists) at this indent
+    for i, item in enumerate(items):
+        if re.search(r"(?m)^        name: sglang$", item):
+            block = re.search(r"(?m)^        resources:\n((?:          .*\n)+)", item)
+            if block is None:
+                raise SystemExit("pool template: the sglang container has no resources")
+            pool = ("        resources:{{ if $pool.resources }}{{ toYaml $pool.resources | nindent 10 }}"
+                    "{{ else }}\n" + block.group(1).rstrip("\n") + "{{ end }}\n")
+            items[i] = item[:block.start()] + pool + item[block.end():]
+            return "".join(items)
+    raise SystemExit("pool template: no sglang container")
+
+
+def pool_template(kind: str, text: str, model: str) -> str:
+    """One pool object (Helm template text of pool ``sglang``) as the template of any pool."""
+    text = text.replace("{{ .Values.", "{{ $.Values.").replace("{{ .Release.", "{{ $.Release.")
+    text = _sub(rf"^  name: {POOL}$", "  name: {{ $pool.name }}", text, count=1)
+    if kind != "ScaledObject":
+        text = _sub(rf"^(\s+app.kubernetes.io/name): {POOL}$", r"\1: {{ $pool.name }}", text)
+    if kind == "Service":
+        text = _sub(rf"^(    kvgate.io/model): {re.escape(model)}$", r"\1: {{ $pool.model | quote }}", text, count=1)
+    if kind == "ScaledObject":
+        text = _sub(rf"^(  scaleTargetRef:\n(?:    .*\n)*?    name): {POOL}$", r"\1: {{ $pool.name }}", text, count=1)
+    if kind == "Deployment":
+        flag = "--served-model-name" if "- --served-model-name\n" in text else "--model"
+        text = _arg_value(text, flag, "{{ $pool.model | quote }}")
+        for flag, key in (("--model-path", "modelPath"), ("--speculative-draft-model-path", "draftModelPath")):
+            found = re.search(rf"^\s+- {re.escape(flag)}\n\s+- (.*)$", text, re.MULTILINE)
+            if found:
+                text = _arg_value(text, flag, f"{{{{ $pool.{key} | default {json.dumps(found.group(1))} | quote }}}}")
+        text = _sub(r"^  replicas: (\d+)$",
+                    r'  replicas: {{ if hasKey $pool "replicas" }}{{ $pool.replicas }}{{ else }}\1{{ end }}', text,
+                    count=1)
+        text = _container_resources(text)
+    return text
+
+
+def pool_conditions(kind: str, conditions: list[str]) -> list[str]:
+    """The object's conditions inside the pools' range (``$`` is the chart's root there)."""
+    out = [c.replace(".Values.", "$.Values.") for c in conditions]
+    if kind == "ScaledObject":
+        out.append('or (not (hasKey $pool "autoscale")) $pool.autoscale')
+    return out
+
+
+def pools(text: str) -> str:
+    return "{{- range $pool := .Values.pools }}\n" + POOL_REQUIRED + text + "{{- end }}\n"
+
+
 def templates() -> dict[str, str]:
     """Relative path under the chart -> file content."""
     builds = {fleet: split(sentinel_build(fleet)) for fleet in FLEETS}
     files = {}
     for fleet in FLEETS:
+        model = re.search(r"^    kvgate.io/model: (\S+)$", builds[fleet][("Service", POOL)], re.MULTILINE)
+        assert model, "Service sglang has no kvgate.io/model label"
         for (kind, name), text in builds[fleet].items():
             common = all(builds[f].get((kind, name)) == text for f in FLEETS)
             conditions = [TOGGLES[kind]] if kind in TOGGLES else []
@@ -135,8 +214,13 @@ def templates() -> dict[str, str]:
                 conditions.append(f'eq .Values.fleet "{fleet}"')
             source = "{" + ",".join(FLEETS) + "}" if common else fleet
             stem = kind.lower() if kind == "Namespace" else f"{kind.lower()}-{name}"  # its name is a sentinel
-            files[f"{folder}/{stem}.yaml"] = HEADER.format(fleet=source) + wrap(
-                to_template(text), conditions)
+            body = to_template(text)
+            if (kind, name) in {(k, POOL) for k in POOL_KINDS}:
+                stem, body = f"pool-{kind.lower()}", pools(wrap("---\n" + pool_template(kind, body, model.group(1)),
+                                                                pool_conditions(kind, conditions)))
+            else:
+                body = wrap(body, conditions)
+            files[f"{folder}/{stem}.yaml"] = HEADER.format(fleet=source) + body
     return files
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBECTL = "/usr/bin/kubectl"
 K8S_VERSION = "1.34.0"
-TARGETS = ["base", "overlays/gpu-fleet", "overlays/sim-cpu"]
+TARGETS = ["base", "overlays/gpu-fleet", "overlays/sim-cpu", "overlays/two-models"]
 Doc = dict[str, Any]
 
 _NAME = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}

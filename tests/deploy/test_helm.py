@@ -25,11 +25,18 @@ def helm() -> str:
     return tool("helm")
 
 
-def render(helm: str, namespace: str, *values: str) -> list[Doc]:
+def helm_template(helm: str, namespace: str, *values: str, files: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``helm template`` with values files (``-f``, under deploy/helm/) and ``--set`` values."""
     args = [helm, "template", "kvgate", str(CHART), "--namespace", namespace]
+    for name in files:
+        args += ["-f", str(DEPLOY / "helm" / name)]
     for value in values:
         args += ["--set", value]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+
+
+def render(helm: str, namespace: str, *values: str, files: tuple[str, ...] = ()) -> list[Doc]:
+    out = helm_template(helm, namespace, *values, files=files)
     assert out.returncode == 0, out.stderr
     return parse(out.stdout)
 

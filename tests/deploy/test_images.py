@@ -93,4 +93,4 @@ def test_each_container_runs_an_image_that_has_its_command(target: str) -> None:
             assert image == GATEWAY_IMAGE or "kvgate drain" in runs, name
         seen.add(image)
     assert GATEWAY_IMAGE in seen
-    assert (SIM_IMAGE in seen) == (target == "overlays/sim-cpu")
+    assert (SIM_IMAGE in seen) == (target in ("overlays/sim-cpu", "overlays/two-models"))  # simulated

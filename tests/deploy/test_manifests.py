@@ -29,6 +29,7 @@ from tests.deploy.k8s import (
     find,
     validate,
 )
+from tests.replicas_k8s.fake_api import selects
 
 
 @pytest.fixture(scope="module")
@@ -95,21 +96,30 @@ def test_gateway_rbac_is_minimal(built: dict[str, list[Doc]]) -> None:
     assert find(built["base"], "PodDisruptionBudget", "kvgate")["spec"]["minAvailable"] == 1
 
 
-def test_gateway_config_matches_replica_service(built: dict[str, list[Doc]]) -> None:
+def test_gateway_config_matches_replica_services(built: dict[str, list[Doc]]) -> None:
+    """The gateway's EndpointSlice selector (matched against the Services' labels, which
+    Kubernetes copies onto their slices) picks exactly the replica pools' headless Services,
+    and each Service selects its own Deployment's pods and no other pool's."""
     from gateway.settings import load_settings
+    from replicas.discovery_k8s import slice_selector
 
     settings = load_settings(DEPLOY / "base" / "kvgate.yaml")
     reg = settings.registry
     assert (reg.discovery, settings.port, settings.index.backend) == ("kubernetes", 8000, "redis")
-    svc = find(built["base"], "Service", str(reg.k8s_service))
-    assert svc["spec"]["clusterIP"] == "None"
-    assert reg.k8s_port_name in [p["name"] for p in svc["spec"]["ports"]]
-    for target in ("overlays/gpu-fleet", "overlays/sim-cpu"):
-        dep = find(built[target], "Deployment", "sglang")
-        labels = dep["spec"]["template"]["metadata"]["labels"]
-        assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items()), target
-        ports = [p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])]
-        assert "http" in ports
+    selector = slice_selector(reg)
+    for target, pools in (("overlays/gpu-fleet", {"sglang"}), ("overlays/sim-cpu", {"sglang"}),
+                          ("overlays/two-models", {"sglang", "sglang-next"})):
+        services = [d for d in built[target] if d["kind"] == "Service" and selects(selector, d)]
+        assert {d["metadata"]["name"] for d in services} == pools, target
+        deployments = {d["metadata"]["name"]: d for d in built[target] if d["kind"] == "Deployment"}
+        for svc in services:
+            assert svc["spec"]["clusterIP"] == "None"
+            assert reg.k8s_port_name in [p["name"] for p in svc["spec"]["ports"]]
+            chosen = [name for name, dep in deployments.items() if selects(
+                ",".join(f"{k}={v}" for k, v in svc["spec"]["selector"].items()), dep["spec"]["template"])]
+            assert chosen == [svc["metadata"]["name"]], (target, chosen)
+            pod = deployments[chosen[0]]["spec"]["template"]["spec"]
+            assert "http" in [p["name"] for c in pod["containers"] for p in c.get("ports", [])]
 
 
 def test_gpu_fleet_replica(built: dict[str, list[Doc]]) -> None:
@@ -257,7 +267,7 @@ def test_network_policies(built: dict[str, list[Doc]]) -> None:
     assert "monitoring" in [_namespace_of(f) for f in by_port["http"]]  # /metrics
     admin_from = by_port["admin"]  # only the replica pods (drain) and the operators' namespace
     assert [f["podSelector"]["matchLabels"] for f in admin_from if "podSelector" in f] == [
-        {"app.kubernetes.io/name": "sglang"}]
+        {"kvgate.io/replicas": "true"}]  # the replica pods of every pool
     assert [_namespace_of(f) for f in admin_from if "namespaceSelector" in f] == ["kvgate-operators"]
     assert _rules_by_port(find(docs, "NetworkPolicy", "kvgate-redis")) == {
         "redis": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate"}}}]}

@@ -3,8 +3,9 @@
 Starlette under uvicorn on a free port, with a certificate issued for 127.0.0.1 by a test CA
 (made with the ``openssl`` command), so the client is tested as it runs in a pod: the
 service account's CA, token and namespace files (:func:`service_account`), or a kubeconfig
-(:func:`kubeconfig`). It serves scripted EndpointSlice lists and watch streams, pod lists and
-pod patches, and records what it was asked.
+(:func:`kubeconfig`). It serves scripted EndpointSlice lists and watch streams (filtered by
+the request's equality-based label selector, as the API server does), pod lists and pod
+patches, and records what it was asked.
 """
 from __future__ import annotations
 
@@ -86,14 +87,27 @@ def kubeconfig(folder: Path, tls: Tls, port: int, token: str, namespace: str) ->
     return path
 
 
-def endpoint_slice(name: str, rv: int, *endpoints: tuple[str, dict[str, bool]]) -> Doc:
+def endpoint_slice(name: str, rv: int, *endpoints: tuple[str, dict[str, bool]], service: str = "sglang",
+                   labels: dict[str, str] | None = None) -> Doc:
+    """A slice of ``service`` with its labels (those the controller copies from the Service)."""
     return {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": name, "resourceVersion": str(rv), "labels": {"kubernetes.io/service-name": "sglang"}},
+        "metadata": {"name": name, "resourceVersion": str(rv),
+                     "labels": {"kubernetes.io/service-name": service} | (labels or {})},
         "ports": [{"name": "metrics", "port": 9999}, {"name": "http", "port": 30000, "protocol": "TCP"}],
         "endpoints": [{"addresses": [ip], "conditions": cond, "targetRef": {"kind": "Pod", "name": f"pod-{ip}"}}
                       for ip, cond in endpoints],
     }
+
+
+def selects(selector: str, obj: Doc) -> bool:
+    """Whether an equality-based label selector (``k=v,k2=v2``, ``k`` = has the key) matches."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if key not in labels or (value and labels[key] != value):
+            return False
+    return True
 
 
 @dataclass
@@ -108,6 +122,7 @@ class FakeApi:
     watched: list[str] = field(default_factory=list)
     auth: set[str | None] = field(default_factory=set)
     patches: list[tuple[str, str, Doc]] = field(default_factory=list)  # (pod, content type, body)
+    slice_selectors: set[str] = field(default_factory=set)  # the label selectors slices were asked by
 
     def app(self) -> Starlette:
         ns = self.namespace
@@ -118,13 +133,15 @@ class FakeApi:
         ])
 
     async def endpoint_slices(self, request: Request) -> Response:
-        assert request.query_params["labelSelector"] == "kubernetes.io/service-name=sglang"
+        selector = request.query_params["labelSelector"]
+        self.slice_selectors.add(selector)
         self.auth.add(request.headers.get("authorization"))
         if request.query_params.get("watch") not in ("true", "True", "1"):
             rv, items = self.lists[min(self.listed, len(self.lists) - 1)]
             self.listed += 1
             return JSONResponse({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
-                                 "metadata": {"resourceVersion": str(rv)}, "items": items})
+                                 "metadata": {"resourceVersion": str(rv)},
+                                 "items": [i for i in items if selects(selector, i)]})
         assert request.query_params["allowWatchBookmarks"] in ("true", "True")
         assert "timeoutSeconds" in request.query_params
         version = request.query_params["resourceVersion"]
@@ -134,10 +151,12 @@ class FakeApi:
             return JSONResponse({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": script,
                                  "reason": "Expired", "message": "too old resource version"},
                                 status_code=script)
-        return StreamingResponse(self._stream(script), media_type="application/json")
+        return StreamingResponse(self._stream(script, selector), media_type="application/json")
 
-    async def _stream(self, events: list[Doc] | None) -> AsyncIterator[bytes]:
+    async def _stream(self, events: list[Doc] | None, selector: str) -> AsyncIterator[bytes]:
         for event in events or []:
+            if event["type"] in ("ADDED", "MODIFIED", "DELETED") and not selects(selector, event["object"]):
+                continue  # the API server sends only the objects the selector matches
             yield (json.dumps(event) + "\n").encode()
         if events is None:
             await asyncio.sleep(60)

@@ -16,9 +16,17 @@ from typing import Any
 import pytest
 
 from prefix_index.base import ReplicaId
-from replicas.discovery_k8s import EndpointSliceDiscovery, EndpointState, slice_endpoints
+from replicas.config import RegistryConfig
+from replicas.discovery import make_discovery
+from replicas.discovery_k8s import (
+    EndpointSliceDiscovery,
+    EndpointState,
+    slice_endpoints,
+    slice_selector,
+)
 from replicas.kube import ApiServer, KubeError, list_endpoint_slices
 from tests.replicas_k8s.fake_api import (
+    Doc,
     FakeApi,
     Served,
     Tls,
@@ -29,6 +37,7 @@ from tests.replicas_k8s.fake_api import (
 from tests.replicas_k8s.fake_api import endpoint_slice as eps
 from tests.support.procs import free_port
 
+SGLANG = "kubernetes.io/service-name=sglang"  # the slices of Service sglang
 READY = {"ready": True, "serving": True, "terminating": False}
 TERMINATING = {"ready": False, "serving": True, "terminating": True}
 A, B, C = "10.0.0.1", "10.0.0.2", "10.0.0.3"
@@ -100,12 +109,13 @@ async def test_list_watch_bookmark_gone_relist_in_cluster(tmp_path: Path, tls: T
     target = Recorder()
     expected = [("add", f"http://{A}:30000"), ("add", f"http://{B}:30000"), ("drain", f"http://{A}:30000"),
                 ("remove", f"http://{A}:30000"), ("add", f"http://{C}:30000")]
-    disc = EndpointSliceDiscovery(ApiServer.in_cluster(), "sglang", target, port_name="http", retry_s=0.05)
+    disc = EndpointSliceDiscovery(ApiServer.in_cluster(), SGLANG, target, port_name="http", retry_s=0.05)
     async with Served(api, tls, port):
         await run_until(disc, lambda: api.watched[-1:] == ["40"] and len(target.calls) >= len(expected))
     assert target.calls == expected
     assert api.listed == 4 and api.watched == ["10", "13", "20", "30", "40"]
     assert disc.relists == 4
+    assert api.slice_selectors == {SGLANG}
     assert api.auth == {"Bearer sa-token"}
 
 
@@ -118,7 +128,7 @@ async def test_kubeconfig_context_token_and_namespace(tmp_path: Path, tls: Tls,
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig(tmp_path, tls, port, "kc-token", "team-a")))
         server = ApiServer.from_environment()
         assert server.kubeconfig == tmp_path / "kubeconfig"
-        disc = EndpointSliceDiscovery(server, "sglang", target, port_name="http", retry_s=0.05)
+        disc = EndpointSliceDiscovery(server, SGLANG, target, port_name="http", retry_s=0.05)
         await run_until(disc, lambda: api.watched == ["7"] and target.calls)
         other = await ApiServer(kubeconfig=server.kubeconfig, context="other").connect()
         await other.aclose()
@@ -143,6 +153,49 @@ async def test_server_certificate_is_verified(tmp_path: Path, tls: Tls, monkeypa
     assert api.listed == 0
 
 
+POOLS = "kvgate.io/replicas=true"  # deploy/base/kvgate.yaml: every pool's Service carries it
+
+
+def pool_slice(name: str, rv: int, service: str, model: str, *endpoints: tuple[str, dict[str, bool]]) -> Doc:
+    """A slice of one replica pool's Service: its labels, as the controller copies them."""
+    return eps(name, rv, *endpoints, service=service, labels={"kvgate.io/replicas": "true", "kvgate.io/model": model})
+
+
+async def test_two_pools_one_selector(tmp_path: Path, tls: Tls, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replica pools (Services sglang and sglang-next, one model each) are found by one
+    selector through the config; a slice of another Service in the namespace is not a replica."""
+    d = "10.0.0.4"
+    other = eps("redis-x", 10, (d, READY), service="kvgate-redis")
+    api = FakeApi(
+        lists=[(10, [pool_slice("sglang-a", 10, "sglang", "kimi-k2.6", (A, READY)),
+                     pool_slice("sglang-next-a", 10, "sglang-next", "kimi-k2.7", (B, READY)), other])],
+        watches={"10": [
+            {"type": "MODIFIED", "object": pool_slice("sglang-next-a", 11, "sglang-next", "kimi-k2.7",
+                                                      (B, READY), (C, READY))},
+            {"type": "ADDED", "object": eps("redis-y", 12, (d, READY), service="kvgate-redis")},
+            {"type": "MODIFIED", "object": pool_slice("sglang-a", 13, "sglang", "kimi-k2.6", (A, TERMINATING))},
+        ], "13": None},
+    )
+    port = free_port()
+    service_account(tmp_path, tls, port, monkeypatch, token="sa-token", namespace="llm")
+    target = Recorder()
+    config = RegistryConfig(discovery="kubernetes", k8s_selector=POOLS, k8s_service="ignored", k8s_port_name="http")
+    disc = make_discovery(config, target)
+    assert isinstance(disc, EndpointSliceDiscovery)
+    async with Served(api, tls, port):
+        await run_until(disc, lambda: api.watched == ["10", "13"] and len(target.calls) >= 4)
+    assert target.calls == [("add", f"http://{A}:30000"), ("add", f"http://{B}:30000"),
+                            ("add", f"http://{C}:30000"), ("drain", f"http://{A}:30000")]
+    assert api.slice_selectors == {POOLS}
+
+
+def test_slice_selector_from_config() -> None:
+    assert slice_selector(RegistryConfig(k8s_service="sglang")) == SGLANG
+    assert slice_selector(RegistryConfig(k8s_service="sglang", k8s_selector=POOLS)) == POOLS
+    with pytest.raises(ValueError, match="k8s_selector or registry.k8s_service"):
+        slice_selector(RegistryConfig(discovery="kubernetes"))
+
+
 def test_slice_states_and_port_choice() -> None:
     obj = eps("s", 1, ("10.0.0.9", {"ready": False, "serving": False, "terminating": False}),
               ("10.0.0.8", {}), ("fd00::1", {"ready": False, "serving": True}))
@@ -163,7 +216,7 @@ class Forgetful(Recorder):
 
 async def test_readiness_blip_is_left_to_probes_and_unknown_remove_is_fine() -> None:
     target = Forgetful()
-    disc = EndpointSliceDiscovery(ApiServer(), "sglang", target, port_name="http")
+    disc = EndpointSliceDiscovery(ApiServer(), SGLANG, target, port_name="http")
     unready = {"ready": False, "serving": False, "terminating": False}
     for version, cond in ((1, READY), (2, unready), (3, READY), (4, TERMINATING)):
         await disc._apply("MODIFIED", eps("s1", version, (A, cond)))
