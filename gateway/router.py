@@ -50,7 +50,7 @@ from typing import Protocol, TypeVar
 
 from gateway.metrics import GatewayMetrics
 from policies.base import Decision, Outcome, Policy, RequestContext, RoutingInputs
-from policies.routing import RoutingCore, merge_matches, token_context
+from policies.routing import ANY_MODEL, RoutingCore, merge_matches, serving, token_context
 from prefix_index.base import PrefixIndex, PrefixMatch, ReplicaCapacity, ReplicaId, SessionEntry
 from prefix_index.session_table import SessionTable
 from replicas.model import ReplicaState, ReplicaView
@@ -154,8 +154,10 @@ class Router:
             resident = fresh if fresh is not None else await self._resident(now_s, None)
         if fresh is None:
             core.store_resident(now_s, resident)
-        merged = await self._precise_matches(ctx, ids, matches) if self.precise is not None else matches
-        return core.inputs(ctx, tuple(self._views()), merged, session, parent, now_s)
+        if self.precise is not None:  # tokenized only for the replicas serving its model
+            own = ids if ctx.model == ANY_MODEL else [v.id for v in serving(tuple(self._views()), ctx.model)]
+            matches = await self._precise_matches(ctx, own, matches)
+        return core.inputs(ctx, tuple(self._views()), matches, session, parent, now_s)
 
     async def _precise_matches(self, ctx: RequestContext, ids: Sequence[ReplicaId],
                          approx: Mapping[ReplicaId, PrefixMatch]) -> Mapping[ReplicaId, PrefixMatch]:

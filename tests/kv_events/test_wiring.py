@@ -3,8 +3,9 @@ the router deciding on its exact matches beside approximate ones (a mixed fleet)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,10 @@ class FakePrecise:
     def __init__(self, answer: PreciseAnswer | None) -> None:
         self.answer = answer
 
-    async def lookup(self, ctx: RequestContext, replicas: object) -> PreciseAnswer | None:
+        self.asked: list[list[ReplicaId]] = []
+
+    async def lookup(self, ctx: RequestContext, replicas: Sequence[ReplicaId]) -> PreciseAnswer | None:
+        self.asked.append(list(replicas))
         return self.answer
 
 
@@ -172,6 +176,20 @@ async def test_router_predicts_exact_tokens_in_a_mixed_fleet() -> None:
     router.precise = FakePrecise(None)
     ctx2 = request(rid="r2")
     assert (await router.snapshot(ctx2)).matches[B] == PrefixMatch(3, 0)
+
+
+async def test_a_request_is_tokenized_only_for_the_replicas_serving_its_model() -> None:
+    """Two models behind one gateway: a request for "m" is never tokenized with the other
+    model's tokenizer (its replicas are not asked), one naming no model asks every replica."""
+    a, b = dataclasses.replace(view(A), models=frozenset({"m"})), dataclasses.replace(view(B), models=frozenset({"n"}))
+    router = Router(make_policy("cache-aware", seed=1), MemoryPrefixIndex(), lambda: (a, b), GatewayMetrics(),
+                    rng=random.Random(1))
+    fake = FakePrecise(None)
+    router.precise = fake
+    await router.snapshot(request())
+    await router.snapshot(dataclasses.replace(request(rid="r2"), model="n"))
+    await router.snapshot(dataclasses.replace(request(rid="r3"), model="default"))
+    assert fake.asked == [[A], [B], [A, B]]
 
 
 def test_approximate_mode_attaches_nothing() -> None:

@@ -8,6 +8,9 @@ last test, not at the end of the whole run); one simulated replica with the matc
 ``tiny-cpu`` profile serves the differential tests. A third real server, the spare of
 ``sigterm_spare``, starts with them when a collected test asks for it (it is warm by
 the time that test runs: starting it later costs 60-90 s on a loaded 2-core machine).
+The server of the tiny TikToken-form model (``tiktoken_server``: served as ``tiny-kimi``,
+page 4, KV events) is package-scoped too, started on first use, so that the precise-mode
+test and the two-models test share it.
 """
 from __future__ import annotations
 
@@ -17,12 +20,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.sglang_cpu.env import SGLangEnv, ensure_env
-from loadtest.sglang_cpu.server import AUTO_PORT, ServerSpec, SGLangServer, start_all, stop_all
+from loadtest.sglang_cpu.cli import TIKTOKEN_MODEL_NAME
+from loadtest.sglang_cpu.env import SGLangEnv, ensure_env, ensure_tiktoken_model
+from loadtest.sglang_cpu.server import (
+    AUTO_PORT,
+    ServerSpec,
+    SGLangServer,
+    late_bind_port,
+    start_all,
+    stop_all,
+)
 from loadtest.simulator.fleet import SimFleet
 
 MAX_TOTAL_TOKENS = 16384
 MODEL = "tiny-llama"
+TIKTOKEN_PAGE = 4  # the TikToken server's page size
 
 
 @pytest.fixture(scope="package")
@@ -54,6 +66,24 @@ def real_servers(sglang_env: SGLangEnv, early_spares: list[SGLangServer],
     start_all(servers)
     yield servers
     stop_all(servers)
+
+
+@pytest.fixture(scope="package")
+def tiktoken_server(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    """A real server of the tiny TikToken-form model (``loadtest/sglang_cpu/kimi_model.py``,
+    loaded with ``--trust-remote-code`` as SGLang loads Kimi's), served as
+    ``TIKTOKEN_MODEL_NAME``, publishing KV events; its KV pool is large enough that the
+    tests using it evict nothing."""
+    log_dir = tmp_path_factory.mktemp("sglang-tiktoken")
+    spec = ServerSpec(port=AUTO_PORT, max_total_tokens=MAX_TOTAL_TOKENS, page_size=TIKTOKEN_PAGE,
+                      served_model_name=TIKTOKEN_MODEL_NAME,
+                      kv_events_endpoint=f"tcp://127.0.0.1:{late_bind_port()}",
+                      kv_events_replay_endpoint=f"tcp://127.0.0.1:{late_bind_port()}",
+                      extra_args=("--trust-remote-code",))
+    started = [SGLangServer(sglang_env, spec, log_dir / "sglang.log", ensure_tiktoken_model(sglang_env.python))]
+    start_all(started)
+    yield started[0]
+    stop_all(started)
 
 
 @pytest.fixture

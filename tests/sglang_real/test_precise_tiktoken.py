@@ -17,8 +17,9 @@ prediction made precisely (``kvgate_prediction_error_tokens_count{mode="precise"
 the caches hit (a later turn reuses its earlier turns). A wrong token id anywhere (the
 template, the tools' dump, the tokenizer) shifts every later page hash: the next turn is
 then predicted ~0 against hundreds cached, so the bound is a proof of exact ids. The
-server is this module's own (page size 4, KV pool large enough that nothing is evicted:
-eviction is covered by test_precise.py).
+server is the package's ``tiktoken_server`` (conftest.py; page size 4, KV pool large enough
+that nothing is evicted: eviction is covered by test_precise.py), shared with
+test_two_models.py; this module's gateway is its own.
 """
 from __future__ import annotations
 
@@ -32,21 +33,14 @@ import httpx
 import pytest
 
 from loadtest.sglang_cpu.cli import TIKTOKEN_MODEL_NAME
-from loadtest.sglang_cpu.env import SGLangEnv, ensure_tiktoken_model
-from loadtest.sglang_cpu.server import (
-    AUTO_PORT,
-    ServerSpec,
-    SGLangServer,
-    late_bind_port,
-    start_all,
-    stop_all,
-)
+from loadtest.sglang_cpu.server import SGLangServer
 from tests.integration.conftest import Gateway, metric_value, start_gateway, wait_until
+from tests.sglang_real.conftest import TIKTOKEN_PAGE
 
 pytestmark = pytest.mark.sglang_real
 
 MODEL = TIKTOKEN_MODEL_NAME
-PAGE = 4
+PAGE = TIKTOKEN_PAGE
 TURNS = 4
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
                                             "parameters": {"type": "object", "required": ["path"],
@@ -74,21 +68,8 @@ SYSTEM = "You are a coding agent in a repository of a cache-aware gateway. Use t
 
 
 @pytest.fixture(scope="module")
-def server(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    log_dir = tmp_path_factory.mktemp("sglang-tiktoken")
-    spec = ServerSpec(port=AUTO_PORT, max_total_tokens=16384, page_size=PAGE, served_model_name=MODEL,
-                      kv_events_endpoint=f"tcp://127.0.0.1:{late_bind_port()}",
-                      kv_events_replay_endpoint=f"tcp://127.0.0.1:{late_bind_port()}",
-                      extra_args=("--trust-remote-code",))
-    started = [SGLangServer(sglang_env, spec, log_dir / "sglang.log", ensure_tiktoken_model(sglang_env.python))]
-    start_all(started)
-    yield started[0]
-    stop_all(started)
-
-
-@pytest.fixture(scope="module")
-def gateway(server: SGLangServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = start_gateway([server.url], Path(tmp_path_factory.mktemp("gw-tiktoken")) / "gateway.log")
+def gateway(tiktoken_server: SGLangServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gw = start_gateway([tiktoken_server.url], Path(tmp_path_factory.mktemp("gw-tiktoken")) / "gateway.log")
     try:
         wait_until(lambda: 'kvgate_precise_replicas{state="precise"} 1.0' in gw.metrics(), 60.0, "precise")
         yield gw
@@ -190,7 +171,7 @@ def test_predictions_equal_the_engine_for_chat_messages_and_responses_with_tools
     assert metric_value(gateway.metrics(), 'kvgate_precise_tokenize_total{outcome="ok"}') >= len(flat)
 
 
-def test_the_admin_view_shows_the_tiktoken_form(gateway: Gateway, server: SGLangServer) -> None:
-    replica = gateway.replicas()[server.url]
+def test_the_admin_view_shows_the_tiktoken_form(gateway: Gateway, tiktoken_server: SGLangServer) -> None:
+    replica = gateway.replicas()[tiktoken_server.url]
     assert replica["precise"]["mode"] == "precise" and replica["precise"]["tokenizer"] == "tiktoken", replica
     assert replica["precise"]["tool_declaration"] == "typescript", replica  # Kimi K2.5+'s tools_ts_str
