@@ -117,6 +117,9 @@ class GatewayMetrics:
         self.replica_decode_step = Gauge(
             "kvgate_replica_decode_step_seconds",
             "The replica's learned decode step, as the cost model prices it", ["replica"], registry=r)
+        self.replica_accept_length = Gauge(
+            "kvgate_replica_spec_accept_length",
+            "The replica's speculative accept length from /v1/loads, smoothed", ["replica"], registry=r)
         self.plugin_seconds = Counter("kvgate_policy_plugin_seconds",
                                       "Time spent in each policy plugin", ["plugin"], registry=r)
         self.desired_replicas = Gauge("kvgate_desired_replicas",
@@ -329,7 +332,7 @@ class GatewayMetrics:
     def refresh_fleet(self, views: Iterable[ReplicaView], stats: IndexStats | None) -> None:
         for gauge in (self.replica_state, self.replica_in_flight, self.replica_pending_prefill,
                       self.index_blocks, self.replica_ejected, self.admission_held,
-                      self.replica_prefill_rate, self.replica_decode_step):
+                      self.replica_prefill_rate, self.replica_decode_step, self.replica_accept_length):
             gauge.clear()  # replicas that left disappear from the exposition
         for view in views:
             for state in ReplicaState:
@@ -342,6 +345,8 @@ class GatewayMetrics:
                 self.replica_prefill_rate.labels(view.id).set(view.prefill_tokens_per_s)
             if view.decode_step_s is not None:
                 self.replica_decode_step.labels(view.id).set(view.decode_step_s)
+            if view.spec_accept_length is not None:
+                self.replica_accept_length.labels(view.id).set(view.spec_accept_length)
         if stats is not None:
             self.session_table_sessions.set(getattr(stats, "sessions", 0))
             delta = self._advance("session_evictions", float(getattr(stats, "session_evictions", 0)))

@@ -41,16 +41,19 @@ from policies.registry import DEFAULT_POLICY, POLICY_NAMES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="append", required=True, metavar="PATH",
-                   help="trace file or folder (plain or .gz); repeatable; 'synthetic' for generated sessions")
-    p.add_argument("--format", choices=("claude-code", "mooncake", "bailian", "synthetic"), default=None,
+                   help="trace file or folder (plain or .gz); repeatable; 'synthetic' for generated sessions, "
+                        "'synthetic-shared' for generated session-less traffic sharing apps' prefixes")
+    p.add_argument("--format", choices=("claude-code", "mooncake", "bailian", "synthetic", "synthetic-shared"),
+                   default=None,
                    help="trace format (default: detected)")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help="simulator profile name or .toml path; a mixed fleet as NAME:COUNT[,NAME:COUNT...] "
                         "(e.g. kimi-k2.6-b200-tp8:4,kimi-k2.6-b300-tp8:4; sets --replicas)")
-    p.add_argument("--speeds", choices=("learned", "fleet"), default="learned",
-                   help="learned: the policy prices each replica at the speed learned from its requests, as the "
-                        "gateway does (replicas/speed.py); fleet: every replica at the policy's constants")
+    p.add_argument("--speeds", choices=("learned", "no-accept", "fleet"), default="learned",
+                   help="learned: the policy prices each replica at the speed learned from its requests and "
+                        "the accept length it reports, as the gateway does (replicas/speed.py); no-accept: the "
+                        "same without reading the accept length; fleet: every replica at the policy's constants")
     p.add_argument("--gpus-per-replica", type=int, default=None, help="default: the profile's tp_size")
     p.add_argument("--kv-scale", type=float, default=1.0,
                    help="scale the replicas' KV pools (device and host tokens), as `bench peers` does")
@@ -76,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the profile's context length (longer prompts are rejected)")
     p.add_argument("--synthetic-scale", type=float, default=1.0,
                    help="--trace synthetic: multiply every token size (e.g. 0.02 for the tiny profile)")
+    p.add_argument("--shared-half", choices=("tuning", "validation"), default="tuning",
+                   help="--trace synthetic-shared: which half (independent apps and users) to generate")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="open loop (mooncake, bailian, synthetic-shared): replay F times as fast (arrivals / F)")
     p.add_argument("--index", default="approximate", metavar="MODE[,MODE]",
                    help="prefix index mode(s): approximate (own decisions) or precise (the replicas' KV events)")
     p.add_argument("--admission", choices=("on", "off"), default="on",
@@ -93,7 +100,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_workload(args: argparse.Namespace, report: LoadReport | None = None) -> Workload:
-    """The trace's workload; entries the loaders skipped or defaulted are counted in ``report``."""
+    """The trace's workload (``--rate-scale``: an open-loop one replayed that much faster);
+    entries the loaders skipped or defaulted are counted in ``report``."""
+    from loadtest import traces
+
+    scale = getattr(args, "rate_scale", 1.0)
+    workload = _workload(args, report)
+    try:
+        return workload if scale == 1.0 else traces.rate_scaled(workload, scale)
+    except traces.TraceError as exc:
+        raise SystemExit(f"kvgate simulate: --rate-scale: {exc}") from None
+
+
+def _workload(args: argparse.Namespace, report: LoadReport | None) -> Workload:
+    if args.format == "synthetic-shared" or args.trace == ["synthetic-shared"]:
+        from loadtest import shared_prefix
+
+        return shared_prefix.generate(seed=args.seed, half=args.shared_half).limited(args.limit_sessions)
     if args.format == "synthetic" or args.trace == ["synthetic"]:
         from loadtest.synthetic import SyntheticParams, generate
 

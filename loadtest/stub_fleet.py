@@ -38,7 +38,7 @@ from loadtest.simulator.fleet import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CAPTURED_GETS = ("/ready", "/health", "/server_info", "/v1/models", "/v1/loads?include=core")
+CAPTURED_GETS = ("/ready", "/health", "/server_info", "/v1/models", "/v1/loads?include=core,spec")
 Answer = bytes  # a whole HTTP/1.1 response, ready to write
 
 

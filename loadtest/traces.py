@@ -46,6 +46,7 @@ session at all still raises ``TraceError``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import uuid
@@ -198,6 +199,21 @@ def load(paths: Sequence[str | Path], fmt: str | None = None,
     if not workload.sessions:
         raise TraceError(f"no usable {fmt} session in {list(map(str, paths))} ({report.summary()})")
     return workload
+
+
+def rate_scaled(workload: Workload, factor: float) -> Workload:
+    """An open-loop workload replayed ``factor`` times as fast: every arrival time divided
+    by ``factor`` (the same requests, in the same order, at ``factor`` x the rate)."""
+    if factor <= 0 or not math.isfinite(factor):
+        raise TraceError(f"rate scale must be a finite number > 0, not {factor!r}")
+    if not workload.open_loop:
+        raise TraceError(f"{workload.name} is replayed closed loop: scale its think times instead")
+    if factor == 1.0:
+        return workload
+    sessions = tuple(dataclasses.replace(s, turns=tuple(dataclasses.replace(t, arrival_s=t.arrival_s / factor)
+                                                        for t in s.turns))
+                     for s in workload.sessions)
+    return Workload(workload.name, sessions, open_loop=True)
 
 
 # ---- Claude Code -------------------------------------------------------------------

@@ -73,6 +73,7 @@ docs/results-precise.md.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -131,17 +132,42 @@ class EstimateMemo:
         return values
 
 
-def ttft_scores(ctx: RequestContext, costs: Costs, floor: float) -> list[float]:
+def ttft_scores(ctx: RequestContext, costs: Costs, floor: float, externality: float = 0.0) -> list[float]:
     """`TtftScorer`'s scores, aligned with ``costs.replicas``: (best + floor) / (cost + floor).
 
-    One-shot requests (no session key): the prefill every candidate pays is no choice, so
-    ties are judged on the rest."""
+    One-shot requests (no session key): the prefill every candidate pays, and its
+    ``externality`` (the request's ``queue_externality``), is no choice, so ties are judged
+    on the rest."""
     totals = costs.total_s
     if not ctx.session.session and totals:
-        common = min(costs.prefill_s)
+        common = min(costs.prefill_s) * (1.0 + externality)
         totals = [total - common for total in totals]
     best = min(totals, default=0.0)
     return [1.0 if cost <= best else (best + floor) / (cost + floor) for cost in totals]
+
+
+class RequestParams:
+    """The cost model's params for a request: ``queue_externality`` is
+    ``oneshot_queue_externality`` for a request without a session key.
+
+    Why (docs/benchmarks.md, section 1.11): with no session, nobody lives anywhere; what a
+    one-shot request that leaves the replica holding its shared prefix (an app's system
+    prompt and tools) for a less loaded one costs the fleet is not its own recompute once:
+    the prefix then lives on two replicas, each hit less often, and later requests of the
+    app pay it again. At 4x the rate of a shared-prefix workload without sessions the
+    default externality (0.5) copied hot prefixes by load 1,234 times (reason ``balance``)
+    and lost 1.5 points of hit rate to SGLang's rule; pricing the recompute 3x (tuned on
+    the tuning half only) keeps the copies for real queues. Session turns keep
+    ``queue_externality``: affinity and the abandon charge already price their moves."""
+
+    __slots__ = ("oneshot", "session")
+
+    def __init__(self, params: CacheAwareParams) -> None:
+        self.session = params
+        self.oneshot = dataclasses.replace(params, queue_externality=params.oneshot_queue_externality)
+
+    def of(self, ctx: RequestContext) -> CacheAwareParams:
+        return self.session if ctx.session.session else self.oneshot
 
 
 class TtftScorer:
@@ -150,17 +176,18 @@ class TtftScorer:
     name = "ttft"
 
     def __init__(self, params: CacheAwareParams, memo: EstimateMemo | None = None) -> None:
-        self.params = params
+        self.params = RequestParams(params)
         self.memo = memo
         self.floor = score_floor_s(params)
 
     def score(
         self, ctx: RequestContext, inputs: RoutingInputs, candidates: Sequence[ReplicaView]
     ) -> dict[ReplicaId, float]:
-        costs = candidate_costs(ctx, inputs, candidates, home_replica(inputs, candidates), self.params)
+        p = self.params.of(ctx)
+        costs = candidate_costs(ctx, inputs, candidates, home_replica(inputs, candidates), p)
         if self.memo is not None:
             self.memo.put(ctx, inputs, candidates, costs)
-        return dict(zip(costs.replicas, ttft_scores(ctx, costs, self.floor), strict=True))
+        return dict(zip(costs.replicas, ttft_scores(ctx, costs, self.floor, p.queue_externality), strict=True))
 
 
 def new_session_score(inputs: RoutingInputs, view: ReplicaView, p: CacheAwareParams) -> float:
@@ -237,7 +264,7 @@ class CacheAwareExplainer:
     name = "cache-aware"
 
     def __init__(self, params: CacheAwareParams, memo: EstimateMemo | None = None) -> None:
-        self.params = params
+        self.params = RequestParams(params)
         self.memo = memo
 
     def explain(
@@ -249,7 +276,7 @@ class CacheAwareExplainer:
     ) -> Explanation:
         known = self.memo.take(ctx, inputs, candidates) if self.memo is not None else None
         if known is None:  # not the scorer's decision: evaluate the model here (once per replica)
-            known = candidate_costs(ctx, inputs, candidates, home_replica(inputs, candidates), self.params)
+            known = candidate_costs(ctx, inputs, candidates, home_replica(inputs, candidates), self.params.of(ctx))
         return Explanation(*explanation(ctx, inputs, candidates, chosen, known))
 
 

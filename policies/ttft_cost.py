@@ -31,6 +31,10 @@ seconds (see `policies/cache_aware.py` for why this rule, and README.md for para
                    prompt's longest match, when one replica alone holds it - what this
                    replica holds of it)) / prefill_tokens_per_s (`policies.placement`:
                    plan where the session will live)
+    decode       = decode_time_weight * min(max_tokens, expected_output_tokens) / 5
+                   * (decode_step_s - the fastest candidate's decode_step_s)
+                   (decode_step_s: the time one stream takes for 5 tokens, its accept
+                   length folded in, replicas/speed.py; `_add_decode`, after the pass)
 
 Matched tokens come from the prefix index (``inputs.matches``, device and host tiers,
 times ``ctx.block_tokens``). The gateway's own pending work and the replica's reported
@@ -64,6 +68,7 @@ common case, so the plain form is the one kept.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,7 +78,7 @@ from policies.placement import Placement, placement
 from policies.routing import is_exact
 from prefix_index.base import PrefixMatch, ReplicaId
 from replicas.model import ReplicaView
-from replicas.speed import FLEET_DECODE_STEP_S, FLEET_PREFILL_TOKENS_PER_S
+from replicas.speed import DECODE_TOKENS_PER_STEP, FLEET_DECODE_STEP_S, FLEET_PREFILL_TOKENS_PER_S
 
 _NO_MATCH = PrefixMatch()
 _ID = operator.attrgetter("id")
@@ -102,7 +107,11 @@ class CacheAwareParams:
     decode_step_s: float = FLEET_DECODE_STEP_S  # one decode step between two prefill chunks (when the
     # view has none of its own, ReplicaView.decode_step_s)
     spread_weight: float = 1.0  # new sessions: x recompute of the working set above the mean
+    decode_time_weight: float = 1.0  # x the reply's extra decode time on a replica slower than the fastest
+    expected_output_tokens: int = 300  # the reply's length the decode term assumes (at most max_tokens)
     lost_home_fraction: float = 0.25  # exact home match below this share of the last turn: lost
+    oneshot_queue_externality: float = 3.0  # queue_externality for requests without a session key
+    # (policies/cache_aware.py: shared prefixes, no sessions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +128,7 @@ class TtftEstimate:
     affinity_s: float
     externality_s: float = 0.0
     placement_s: float = 0.0
+    decode_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -130,6 +140,7 @@ class TtftEstimate:
             + self.affinity_s
             + self.externality_s
             + self.placement_s
+            + self.decode_s
         )
 
 
@@ -258,6 +269,7 @@ def candidate_costs(
     uncached_l: list[int] = []
     prefill_l: list[float] = []
     total_l: list[float] = []
+    step_l: list[float] = []  # each candidate's decode step (its own, else the constant)
     parts: list[TtftEstimate] | None = [] if breakdown else None
     # ``b if b > a else a`` is ``max(a, b)`` and ``b if b < a else a`` is ``min(a, b)``
     # (the builtins' very results, -0.0 and NaN included), without a call each
@@ -328,10 +340,31 @@ def candidate_costs(
         uncached_l.append(uncached)
         prefill_l.append(prefill)
         total_l.append(prefill + queue + interference + eviction + affinity + externality + placing)
+        step_l.append(step)
         if parts is not None:
             parts.append(TtftEstimate(rid, device + host, uncached, prefill, queue, interference, eviction,
                                       affinity, externality, placing))
+    _add_decode(ctx, p, step_l, total_l, parts)
     return Costs(ids, t, cached_l, uncached_l, prefill_l, total_l, parts)
+
+
+def _add_decode(ctx: RequestContext, p: CacheAwareParams, steps: list[float], totals: list[float],
+                parts: list[TtftEstimate] | None) -> None:
+    """The decode term, in place: on a candidate whose decode step (the time one stream takes
+    for ``DECODE_TOKENS_PER_STEP`` tokens: slower hardware, drafts accepted less) is longer
+    than the fastest candidate's, ``decode_time_weight`` x the reply's extra decode time
+    there (``expected_output_tokens``, at most ``max_tokens``). Nothing on a fleet priced
+    at one step (the constants, or equal figures), so the pass is skipped there."""
+    fastest = min(steps, default=0.0)
+    if p.decode_time_weight <= 0 or fastest <= 0 or max(steps) <= fastest:
+        return
+    out = p.expected_output_tokens if ctx.max_tokens is None else min(ctx.max_tokens, p.expected_output_tokens)
+    per_step = p.decode_time_weight * max(out, 0) / DECODE_TOKENS_PER_STEP
+    for i, step in enumerate(steps):
+        extra = per_step * (step - fastest)
+        totals[i] += extra
+        if parts is not None:
+            parts[i] = dataclasses.replace(parts[i], decode_s=extra)
 
 
 def estimate(

@@ -51,9 +51,12 @@ class ReplicaView:
     removal_candidate: bool = False  # scale-in chose this replica: steer its sessions away
     ejected: bool = False  # an outlier (replicas/outlier.py): no requests until its ejection ends
     # its own speed, learned from what the gateway observes (replicas/speed.py); None: the
-    # policy's fleet-wide constant
+    # policy's fleet-wide constant. decode_step_s: the time one stream takes to produce
+    # DECODE_TOKENS_PER_STEP tokens (its accept length folded in)
     prefill_tokens_per_s: float | None = None
     decode_step_s: float | None = None
+    # its speculative accept length from /v1/loads, smoothed (None: it reports none)
+    spec_accept_length: float | None = None
 
     def prefill_ahead(self, uncached_tokens: int) -> int:
         """Predicted prefill tokens served before a new request of ``uncached_tokens`` here.

@@ -17,8 +17,10 @@ real server in ``tests/sglang_real``).
   replica to ``GET /health`` for good (200 healthy; 503 is a failure there, because
   old releases cannot tell "draining" from "broken").
 - ``fetch_capacity``: ``GET /server_info`` (``/get_server_info`` on 404).
-- ``fetch_loads``: ``GET /v1/loads?include=core``; None when unavailable (404 on old
-  releases, errors).
+- ``fetch_loads``: ``GET /v1/loads?include=core,spec`` (SGLang splits ``include`` on
+  commas and checks each section name: both are valid in 0.5.23, and ``speculative`` is
+  absent while speculative decoding is off or has not run a step); None when unavailable
+  (404 on old releases, errors).
 - ``fetch_models``: ``GET /v1/models`` cards (the model ids routing filters on);
   ``served_cards`` falls back to ``/server_info``'s ``served_model_name`` when it fails.
 - ``ProbeLog``: failing probes at WARNING, rate-limited per replica (the first failure
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import ssl as ssl_
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -74,6 +77,9 @@ class ReportedLoad:
     waiting_uncached_tokens: int = 0
     token_usage: float = 0.0
     max_running_requests: int = 0
+    # speculative.accept_length (accepted tokens per forward over the scheduler's life), the
+    # mean over the ranks reporting it; None: no rank reports one (no speculative decoding)
+    spec_accept_length: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +222,7 @@ async def fetch_capacity(get: Getter, url: str, timeout_s: float) -> Capacity | 
 
 async def fetch_loads(get: Getter, url: str, timeout_s: float) -> ReportedLoad | None:
     try:
-        body = await _get_json(get, url + "/v1/loads?include=core", timeout_s)
+        body = await _get_json(get, url + "/v1/loads?include=core,spec", timeout_s)
     except (ProbeTimedOut, ProbeFailed) as e:
         log.debug("/v1/loads of %s failed: %s", url, e)
         return None
@@ -361,10 +367,13 @@ def parse_loads(body: dict[str, Any]) -> ReportedLoad | None:
     ranks = [x for x in raw if isinstance(x, dict)]
     if not ranks:
         return ReportedLoad()
+    accepts = [a for x in ranks if (a := _float(_dict(x.get("speculative")).get("accept_length"))) > 0
+               and math.isfinite(a)]
     return ReportedLoad(
         running=sum(_int(x.get("num_running_reqs")) for x in ranks),
         waiting=sum(_int(x.get("num_waiting_reqs")) for x in ranks),
         waiting_uncached_tokens=sum(_int(x.get("num_waiting_uncached_tokens")) for x in ranks),
         token_usage=sum(_float(x.get("token_usage")) for x in ranks) / len(ranks),
         max_running_requests=sum(_int(x.get("max_running_requests")) for x in ranks),
+        spec_accept_length=sum(accepts) / len(accepts) if accepts else None,
     )

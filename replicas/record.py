@@ -89,13 +89,19 @@ class ReplicaRecord:
         self._view_of = made_of  # (an equal new object, e.g. the same loads polled again: compared by identity next time)
         return self._view
 
-    def _speeds(self) -> tuple[float | None, float | None]:
+    def set_reported(self, load: ReportedLoad) -> None:
+        """A ``/v1/loads`` answer: kept, and its accept length fed to the learned speed."""
+        self.reported = load
+        if self.speed is not None:
+            self.speed.observe_accept(load.spec_accept_length)
+
+    def _speeds(self) -> tuple[float | None, float | None, float | None]:
         s = self.speed
-        return (None, None) if s is None else (s.prefill_tokens_per_s, s.decode_step_s)
+        return (None, None, None) if s is None else (s.prefill_tokens_per_s, s.decode_step_s, s.spec_accept_length)
 
     def _build_view(self, held_prefill: tuple[int, ...]) -> ReplicaView:
         cap = self.capacity or Capacity()
-        prefill_rate, decode_step = self._speeds()
+        prefill_rate, decode_step, accept = self._speeds()
         c, r, rep = self.counters, self.remote, self.reported
         return ReplicaView(
             id=self.id,
@@ -119,6 +125,7 @@ class ReplicaRecord:
             ejected=self.ejected,
             prefill_tokens_per_s=prefill_rate,
             decode_step_s=decode_step,
+            spec_accept_length=accept,
         )
 
 

@@ -399,7 +399,7 @@ class Registry:
         async def one(rec: ReplicaRecord) -> None:
             got = await probe.fetch_loads(self._get, rec.id, self.config.probe_timeout_s)
             if got is not None:
-                rec.reported = got
+                rec.set_reported(got)
 
         await self._spread(self.config.loads_poll_interval_s, one,
                            [r for r in self._table.records.values()

@@ -1,14 +1,26 @@
 """Per-replica speed, learned online from what the gateway observes (pure: no I/O, no clock).
 
-Two figures per replica, both as rates (higher = faster), so one estimator serves both:
+Three figures per replica:
 
 - **prefill** (uncached tokens/s): a request's uncached tokens (prompt minus the cached
   tokens its usage reports) over its time to first byte, for prompts of at least
   ``MIN_PREFILL_TOKENS`` uncached tokens (below that, fixed overheads dominate).
-- **decode** (output tokens/s of one stream): output tokens after the first over the
-  stream's time from first to last byte. The cost model wants a decode *step*, so the
-  view shows ``DECODE_TOKENS_PER_STEP / rate`` (tokens per step: DFlash's mean accept
-  length in the default profile).
+- **accept length** (tokens per decode step of one stream, speculative decoding): what the
+  replica reports on ``/v1/loads`` (``speculative.accept_length``, polled by the registry),
+  `AcceptEstimate`; unknown (None) on a replica that reports none.
+- **decode** (verify steps/s of one stream): a stream's output tokens after the first over
+  its time from first to last byte is its per-stream rate, ``accept length / step``; that
+  rate divided by the replica's accept length when the stream ended (``DECODE_TOKENS_PER_STEP``
+  while it reports none) is a sample of its step rate.
+
+The cost model prices decode by ``decode_step_s`` = the time one stream takes to produce
+``DECODE_TOKENS_PER_STEP`` tokens = ``DECODE_TOKENS_PER_STEP x step / accept length``: the
+fleet constant's step (15 ms for 5 tokens) at the fleet's accept length, longer where drafts
+are accepted less. The accept length enters once: the learned step has it divided out,
+and without a reported one both sides use ``DECODE_TOKENS_PER_STEP``, so the figure is
+``DECODE_TOKENS_PER_STEP / per-stream rate`` as before (why learn the step and read the
+accept length rather than learn the per-stream rate alone: replicas/README.md, "Learned
+speed").
 
 The estimator (`RateEstimate`) is an upper *expectile* EWMA in log space: a sample
 faster than the estimate pulls it with weight ``alpha * q``, a slower one with weight
@@ -32,8 +44,9 @@ from typing import Any
 
 FLEET_PREFILL_TOKENS_PER_S = 40_000.0  # one 8x B200 Kimi K2.6 replica, long context
 FLEET_DECODE_STEP_S = 0.015  # one decode step at low batch (the default profile's base step)
-DECODE_TOKENS_PER_STEP = 5.0  # DFlash's mean accept length (tokens per verify step)
+DECODE_TOKENS_PER_STEP = 5.0  # DFlash's mean accept length (tokens per verify step): the constants' own
 MIN_PREFILL_TOKENS = 1024
+ACCEPT_BOUNDS = (1.0, 4 * DECODE_TOKENS_PER_STEP)  # an accept length counts the bonus token: >= 1
 
 
 @dataclass(slots=True)
@@ -63,6 +76,33 @@ class RateEstimate:
         self.samples += 1
 
 
+@dataclass(slots=True)
+class AcceptEstimate:
+    """A replica's speculative accept length from its ``/v1/loads`` polls (None: it reports
+    none). SGLang's figure is already a mean over the scheduler's life, so the smoothing only
+    guards against a replica that reports nonsense: a reading is clipped to ``ACCEPT_BOUNDS``
+    and, once a figure exists, to within ``max_ratio`` of it, then pulled in with weight
+    ``alpha`` (one poll moves the figure by at most ``alpha x (max_ratio - 1)``: 6%)."""
+
+    value: float | None = None
+    samples: int = 0
+    alpha: float = 0.25
+    max_ratio: float = 1.25
+
+    def observe(self, accept_length: float | None) -> None:
+        if accept_length is None or not (accept_length > 0 and math.isfinite(accept_length)):
+            return
+        lo, hi = ACCEPT_BOUNDS
+        x = max(lo, min(hi, accept_length))
+        v = self.value
+        if v is None:
+            self.value = x
+        else:
+            x = max(v / self.max_ratio, min(v * self.max_ratio, x))
+            self.value = v + self.alpha * (x - v)
+        self.samples += 1
+
+
 def fleet_seed(policy_params: Mapping[str, Any]) -> tuple[float, float]:
     """The fleet-wide (prefill tokens/s, decode step s) to seed every replica with: the
     policy's params of those names (``prefill_tokens_per_s``, ``decode_step_s``, the
@@ -76,28 +116,48 @@ def _prefill() -> RateEstimate:
 
 
 def _decode() -> RateEstimate:
-    return RateEstimate(DECODE_TOKENS_PER_STEP / FLEET_DECODE_STEP_S)
+    return RateEstimate(1.0 / FLEET_DECODE_STEP_S)
 
 
 @dataclass(slots=True)
 class ReplicaSpeed:
-    """A replica's learned prefill rate and decode step."""
+    """A replica's learned prefill rate, decode step rate and accept length (module docstring).
+
+    ``read_accept=False``: the accept length is not read (`observe_accept` ignores it) and
+    the figures are those of the per-stream rate alone (the fleet simulator's ablation)."""
 
     prefill: RateEstimate = field(default_factory=_prefill)
-    decode: RateEstimate = field(default_factory=_decode)
+    decode: RateEstimate = field(default_factory=_decode)  # verify steps per second of one stream
+    accept: AcceptEstimate = field(default_factory=AcceptEstimate)
+    read_accept: bool = True
 
     @classmethod
-    def seeded(cls, prefill_tokens_per_s: float, decode_step_s: float) -> ReplicaSpeed:
+    def seeded(cls, prefill_tokens_per_s: float, decode_step_s: float, read_accept: bool = True) -> ReplicaSpeed:
         """Seeded from other figures than the constants (`fleet_seed`)."""
-        return cls(RateEstimate(prefill_tokens_per_s), RateEstimate(DECODE_TOKENS_PER_STEP / decode_step_s))
+        return cls(RateEstimate(prefill_tokens_per_s), RateEstimate(1.0 / decode_step_s), read_accept=read_accept)
 
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prefill.value
 
     @property
+    def spec_accept_length(self) -> float | None:
+        """The reported accept length, smoothed (None: the replica reports none)."""
+        return self.accept.value
+
+    @property
     def decode_step_s(self) -> float:
-        return DECODE_TOKENS_PER_STEP / self.decode.value
+        """Time for one stream to produce ``DECODE_TOKENS_PER_STEP`` tokens (module docstring)."""
+        return DECODE_TOKENS_PER_STEP / (self.decode.value * self._accept())
+
+    def _accept(self) -> float:
+        a = self.accept.value
+        return DECODE_TOKENS_PER_STEP if a is None else a
+
+    def observe_accept(self, accept_length: float | None) -> None:
+        """One ``/v1/loads`` poll's accept length (None: not reported; the figure stays)."""
+        if self.read_accept:
+            self.accept.observe(accept_length)
 
     def observe(self, prompt_tokens: int | None, cached_tokens: int | None, ttft_s: float | None,
                 output_tokens: int | None, stream_s: float | None) -> None:
@@ -107,4 +167,4 @@ class ReplicaSpeed:
         if uncached is not None and uncached >= MIN_PREFILL_TOKENS and ttft_s and ttft_s > 0:
             self.prefill.observe(uncached / ttft_s)
         if output_tokens is not None and output_tokens > 1 and stream_s and stream_s > 0:
-            self.decode.observe((output_tokens - 1) / stream_s)
+            self.decode.observe((output_tokens - 1) / stream_s / self._accept())

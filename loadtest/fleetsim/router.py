@@ -20,8 +20,10 @@ for a real one, with the real policy and the real embedded index:
 5. On the first token ``lease.first_byte()``; on the end ``lease.release()`` and
    ``policy.on_completed`` with an ``Outcome`` carrying the engine's ``cached_tokens``, so
    the index feedback (truncate on over-prediction) runs as in production; the replica's
-   learned speed (``replicas.speed``) is fed as the gateway feeds the registry's, and the
-   views carry it (mixed fleets: each replica has its own capacity and speed).
+   learned speed (``replicas.speed``) is fed as the gateway feeds the registry's (and, at
+   every poll, the accept length the replica's ``/v1/loads`` would report: its lifetime
+   mean, on a replica running speculative decoding), and the views carry it (mixed fleets:
+   each replica has its own capacity, speed and accept length).
 
 Precise mode (``route(..., precise=matches)``, `loadtest.fleetsim.precise`): the matches
 of the replicas in ``precise`` (tokens, from the engines' KV events) replace the
@@ -58,10 +60,13 @@ from replicas.probe import Capacity, ReportedLoad
 from replicas.speed import ReplicaSpeed
 
 
-def reported_load(s: EngineStats) -> ReportedLoad:
-    """What the registry keeps of a replica's ``/v1/loads`` answer, from the engine's stats."""
+def reported_load(s: EngineStats, speculative: bool = True) -> ReportedLoad:
+    """What the registry keeps of a replica's ``/v1/loads?include=core,spec`` answer, from the
+    engine's stats (``speculative``: the replica runs speculative decoding, so its answer has
+    the ``speculative`` section once a step ran; `loadtest.simulator.info.load_entry`)."""
+    accept = s.spec_accept_length_avg if speculative and s.spec_accept_length_avg else None
     return ReportedLoad(s.num_running_reqs, s.num_waiting_reqs, s.num_waiting_uncached_tokens,
-                        s.token_usage, s.max_running_requests)
+                        s.token_usage, s.max_running_requests, accept)
 
 
 class SimRouter:
@@ -70,15 +75,17 @@ class SimRouter:
     def __init__(self, policy: Policy, index: PrefixIndex, ids: list[ReplicaId], specs: Sequence[Capacity],
                  snapshot: Any, block_tokens: int, seed: int, loads_poll_interval_s: float = 1.0,
                  held_prefill: Callable[[ReplicaId], tuple[int, ...]] | None = None,
-                 speeds: Sequence[ReplicaSpeed] | None = None) -> None:
+                 speeds: Sequence[ReplicaSpeed] | None = None, speculative: Sequence[bool] = ()) -> None:
         """``specs``: each replica's capacity (aligned with ``ids``); ``speeds``: each
-        replica's learned speed, fed by `completed` as the gateway feeds the registry's
-        (None: the views carry none, the policy prices every replica at its constants)."""
+        replica's learned speed, fed by `completed` and `views` as the gateway feeds the
+        registry's (None: the views carry none, the policy prices every replica at its
+        constants); ``speculative``: which replicas run speculative decoding (empty: all)."""
         self.policy = policy
         self.index = index
         self.ids = ids
         self.specs = list(specs)
         self.speeds = list(speeds) if speeds is not None else None
+        self.speculative = list(speculative) or [True] * len(ids)
         self._snapshot = snapshot  # engine index -> EngineStats at the current time
         self.core = RoutingCore(policy, random.Random(seed))  # the resident window is the policy's
         self.poll_s = loads_poll_interval_s
@@ -101,7 +108,9 @@ class SimRouter:
             return
         self._last_poll_s = now_s
         self.polls += 1
-        self.reported = [reported_load(self._snapshot(i)) for i in range(len(self.ids))]
+        self.reported = [reported_load(self._snapshot(i), spec) for i, spec in enumerate(self.speculative)]
+        for speed, r in zip(self.speeds or (), self.reported, strict=False):
+            speed.observe_accept(r.spec_accept_length)
 
     def views(self, now_s: float) -> tuple[ReplicaView, ...]:
         self._poll(now_s)
@@ -118,6 +127,7 @@ class SimRouter:
                 reported_token_usage=r.token_usage, added_at_s=0.0,
                 prefill_tokens_per_s=None if speeds is None else speeds[i].prefill_tokens_per_s,
                 decode_step_s=None if speeds is None else speeds[i].decode_step_s,
+                spec_accept_length=None if speeds is None else speeds[i].spec_accept_length,
             )
             for i, (rid, s, c, r) in enumerate(zip(self.ids, self.specs, self.counters, self.reported))
         )

@@ -12,6 +12,11 @@ Streaming: the request is submitted with ``stream="first"``: the engine reports 
 first token only (the gateway's lease moves from prefill to decode then) and renders no
 token ids after it.
 
+Accept length: the turns of a *prose* workload (``PROSE_WORKLOADS``: Mooncake's and
+Bailian's chat traces) are ``SimRequest.prose`` (decoded at the profile's prose accept
+length, `Profile.accept_length`); every other workload (Claude Code, synthetic) is
+coding-agent traffic, decoded at ``spec_accept_length``.
+
 Admission (``SimConfig.admission``, the gateway's ``admission`` settings, on by default):
 the routed turn goes through `loadtest.fleetsim.admission` (the gateway's rule in virtual
 time): sent at once, or held and sent when its replica's released prefill drops below
@@ -58,6 +63,8 @@ from replicas.load import LoadLease
 from replicas.probe import Capacity
 from replicas.speed import ReplicaSpeed, fleet_seed
 
+PROSE_WORKLOADS = frozenset({"mooncake", "bailian"})  # chat traffic, not coding agents (module docstring)
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -75,7 +82,9 @@ class SimConfig:
     # a mixed fleet: replica i runs replica_profiles[i] (empty: every replica runs ``profile``)
     replica_profiles: tuple[Profile, ...] = ()
     # "learned": each replica's speed learned as the gateway learns it (replicas/speed.py, seeded
-    # from the fleet constants); "fleet": the policy prices every replica at its constants
+    # from the fleet constants, its reported accept length read); "no-accept": the same without
+    # reading the accept length (the per-stream rate alone); "fleet": the policy prices every
+    # replica at its constants
     speeds: str = "learned"
 
     def profiles(self) -> tuple[Profile, ...]:
@@ -146,9 +155,11 @@ class FleetRun:
         ids = [ReplicaId(f"sim-{i}") for i in range(len(profiles))]
         self.admission = SimAdmission(cfg.admission, self.fleet)
         seed = fleet_seed(cfg.policy_params.get(policy_name) or {})  # as the gateway seeds them
-        self.speeds = [ReplicaSpeed.seeded(*seed) for _ in ids] if cfg.speeds == "learned" else None
+        self.speeds = None if cfg.speeds == "fleet" else [
+            ReplicaSpeed.seeded(*seed, read_accept=cfg.speeds == "learned") for _ in ids]
         self.router = SimRouter(self.policy, self.index, ids, specs, self.fleet.snapshot, block, cfg.seed,
-                                cfg.loads_poll_interval_s, held_prefill=self.admission.held, speeds=self.speeds)
+                                cfg.loads_poll_interval_s, held_prefill=self.admission.held, speeds=self.speeds,
+                                speculative=[pr.spec_algorithm is not None for pr in profiles])
         self.precise: PreciseFleetIndex | None = None
         if cfg.index_mode == "precise":
             self.precise = PreciseFleetIndex(prof.page_size)
@@ -160,6 +171,7 @@ class FleetRun:
         self.records: list[Record] = []
         self.convs: dict[str, _Conv] = {}
         self.sent = 0
+        self.prose = workload.name in PROSE_WORKLOADS
 
     def _now(self) -> float:
         return self.fleet.now_s
@@ -208,7 +220,8 @@ class FleetRun:
         matched = self.oracle.match_blocks(hashes)
         rec.oracle_cached = min(matched * session.block_size, t.in_tokens)
         req = SimRequest(ctx.request_id, ids, t.out_tokens, ignore_eos=True, seed=self.cfg.seed,
-                         stream="first", page_hashes=prompt.page_hashes(ids, self.cfg.profile.page_size))
+                         stream="first", page_hashes=prompt.page_hashes(ids, self.cfg.profile.page_size),
+                         prose=self.prose)
         f = _InFlight(self, rec, ctx, decision, lease, on_done)
         f.ticket = self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream, now_s)
         self.admission.send_or_hold(f.ticket, lambda: self.fleet.submit(slot, req, f))
@@ -289,7 +302,9 @@ class FleetRun:
             return None
         return [{"profile": pr.name, "prefill_tokens_per_s": round(sp.prefill_tokens_per_s),
                  "profile_prefill_tokens_per_s": pr.prefill_tokens_per_s,
-                 "decode_step_s": round(sp.decode_step_s, 4), "profile_decode_step_base_s": pr.decode_step_base_s}
+                 "decode_step_s": round(sp.decode_step_s, 4), "profile_decode_step_base_s": pr.decode_step_base_s,
+                 "spec_accept_length": None if sp.spec_accept_length is None else round(sp.spec_accept_length, 3),
+                 "profile_spec_accept_length": pr.accept_length(self.prose)}
                 for sp, pr in zip(self.speeds, self.cfg.profiles(), strict=True)]
 
     def _prediction_share(self) -> float | None:

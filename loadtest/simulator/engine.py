@@ -17,9 +17,11 @@ Scheduling (SGLang's unified scheduler, no mixed chunk):
   cache at the end of each chunk; the first output token is emitted at the end of the
   last chunk. While requests are decoding, prefill chunks and decode steps alternate.
 * A decode step takes ``decode_step_base_s + decode_step_per_ctx_s * sum(ctx)/100_000``
-  and yields ``spec_accept_length`` tokens per request on average: each request keeps an
-  integer accumulator in thousandths of a token (``acc += round(1000*accept)``; emit
-  ``acc // 1000``), seeded by its key, so the draw is exact and deterministic.
+  and yields the profile's accept length *for that request* on average
+  (``Profile.accept_length``: ``spec_accept_length``, or ``spec_accept_length_prose`` for a
+  ``SimRequest.prose`` request): each request keeps an integer accumulator in thousandths
+  of a token (``acc += round(1000*accept)``; emit ``acc // 1000``), seeded by its key, so
+  the draw is exact and deterministic.
 * Runs of decode steps with no prefill work are planned at once with numpy
   (``_plan_decode``: tokens per request per step from the accumulators, step durations,
   cumulative end times): the run ends at the first step where a request finishes;
@@ -79,6 +81,7 @@ class _Live:
     out_len: int
     finish_reason: str
     acc: int  # speculative accumulator, thousandths of a token
+    accept: int  # its accept length, thousandths of a token per decode step
     path: list[int] = field(default_factory=list)  # pinned pages
     private: int = 0  # reserved private KV tokens
     cached_device: int = 0
@@ -139,7 +142,6 @@ class ReplicaEngine:
         self.profile = profile
         self.seed = seed
         self.cache = PagedPrefixCache(profile.page_size, profile.device_tokens, profile.host_tokens)
-        self._accept_milli = round(profile.effective_accept_length * MILLI)
         self._waiting: deque[_Live] = deque()
         self._prefilling: deque[_Live] = deque()
         self._running: list[_Live] = []
@@ -267,6 +269,7 @@ class ReplicaEngine:
             max(out_len, 1),
             reason,
             key % MILLI,
+            round(self.profile.accept_length(req.prose) * MILLI),
         )
         live.submit_match = self.cache.match(live.hashes).tokens
         too_big = prompt_len + live.out_len > self.cache.device_total_tokens
@@ -384,14 +387,14 @@ class ReplicaEngine:
     # -- decode runs ---------------------------------------------------------------------
     def _plan_decode(self, now_s: float, single: bool) -> _DecodeRun:
         lives = list(self._running)
-        a = self._accept_milli
+        a = np.array([x.accept for x in lives], dtype=np.int64)
         acc0 = np.array([x.acc for x in lives], dtype=np.int64)
         rem = np.array([x.out_len - x.generated for x in lives], dtype=np.int64)
         ctx0 = float(sum(x.ctx for x in lives))
         k_fin = int(np.min(-(-(rem * MILLI - acc0) // a)))
         steps = 1 if single else max(1, min(k_fin, MAX_PLAN_STEPS))
         ks = np.arange(steps + 1, dtype=np.int64)
-        cum = (acc0[:, None] + ks[None, :] * a) // MILLI - (acc0 // MILLI)[:, None]
+        cum = (acc0[:, None] + ks[None, :] * a[:, None]) // MILLI - (acc0 // MILLI)[:, None]
         np.minimum(cum, rem[:, None], out=cum)
         ctx_sum = ctx0 + cum[:, :steps].sum(axis=0)
         dt = self.profile.decode_step_base_s + self.profile.decode_step_per_ctx_s * (
@@ -425,7 +428,6 @@ class ReplicaEngine:
         return end
 
     def _emit(self, run: _DecodeRun, first: int, stop: int) -> None:
-        a = self._accept_milli
         for i, live in enumerate(run.lives):
             if live.aborted:
                 continue
@@ -438,7 +440,7 @@ class ReplicaEngine:
                         ids = self._ids(live, base + lo, base + hi)
                         live.listener.on_tokens(live.req.rid, ids, float(run.t_end[k]))
             live.generated = run.gen0[i] + int(row[stop])
-            live.acc = (run.acc0[i] + stop * a) % MILLI
+            live.acc = (run.acc0[i] + stop * live.accept) % MILLI
             live.verify_ct += stop - first
         tokens = run.cum[:, first + 1 : stop + 1].sum(axis=0) - run.cum[:, first:stop].sum(axis=0)
         n_live = sum(1 for x in run.lives if not x.aborted)

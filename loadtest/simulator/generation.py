@@ -131,7 +131,7 @@ class Generation:
         driver = self.r.driver
         self.r.in_flight[job.rid] = lambda: driver.abort(job.rid)
         req = SimRequest(rid=job.rid, prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens,
-                         ignore_eos=job.ignore_eos, seed=job.seed, stream=job.stream)
+                         ignore_eos=job.ignore_eos, seed=job.seed, stream=job.stream, prose=job.prose)
         driver.submit(req, listener)
 
     def _done(self, job: Job, result: RequestResult | None) -> None:

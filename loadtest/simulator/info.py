@@ -208,8 +208,10 @@ def load_entry(stats: EngineStats, profile: Profile, include: set[str]) -> dict[
     if include & {"memory", "all"}:
         entry["memory"] = {"weight_gb": profile.weight_gb_per_gpu, "kv_cache_gb": _kv_gb(profile),
                            "graph_gb": 0.0, "token_capacity": profile.device_tokens}
-    if include & {"spec", "all"} and profile.spec_algorithm and stats.spec_accept_length:
-        entry["speculative"] = {"accept_length": stats.spec_accept_length,
+    if include & {"spec", "all"} and profile.spec_algorithm and stats.spec_accept_length_avg:
+        # SGLang's load_inquirer: accepted tokens / forward count over the scheduler's life
+        # (its lifetime totals), present once speculative decoding ran a step
+        entry["speculative"] = {"accept_length": stats.spec_accept_length_avg,
                                 "accept_rate": _accept_rate(stats.spec_accept_length, profile)}
     if include & {"disagg", "all"}:
         entry["disaggregation"] = {

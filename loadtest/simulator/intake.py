@@ -9,11 +9,14 @@ Defaults follow SGLang 0.5.23: chat has no ``max_tokens`` default (the rest of t
 context), completions 16, ``/generate`` 128. ``ignore_eos`` is read from the body
 (chat, completions) or ``sampling_params`` (generate). The response id is ``rid`` or a
 bare ``uuid4().hex``. Prompts: chat renders the simulator's chat template
-(``tokenizer.render_chat``) then encodes it; completions take a string or token ids
+(``tokenizer.render_chat``) then encodes it, and a chat request without ``tools`` is
+*prose* (``Job.prose``: the profile's prose accept length; agent-shaped otherwise, and
+completions and ``/generate`` too); completions take a string or token ids
 (a one-element batch of either); ``/generate`` takes ``text`` or ``input_ids``.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Container
@@ -51,6 +54,7 @@ class Job:
     sglext: bool
     seed: int
     created: int
+    prose: bool = False  # a chat without tools: decoded at the profile's prose accept length
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +139,11 @@ def chat_job(content_type: str, raw: bytes, limits: Limits) -> Job:
         raise BadRequest(protocol.validation_error([{
             "type": "list_type", "loc": ("body", "messages"), "msg": "Input should be a valid list"}]))
     tools = body.get("tools")
-    ids = tokenizer.encode(tokenizer.render_chat(messages, tools if isinstance(tools, list) else None))
-    return make_job(CHAT, body, ids, int_field(body, "max_completion_tokens", "max_tokens"),
-                    body.get("ignore_eos", False), limits)
+    tools = tools if isinstance(tools, list) else None
+    ids = tokenizer.encode(tokenizer.render_chat(messages, tools))
+    job = make_job(CHAT, body, ids, int_field(body, "max_completion_tokens", "max_tokens"),
+                   body.get("ignore_eos", False), limits)
+    return job if tools else dataclasses.replace(job, prose=True)
 
 
 def completion_job(content_type: str, raw: bytes, limits: Limits) -> Job:

@@ -50,7 +50,7 @@ class Profile:
     decode_step_base_s: float  # one decode step with an empty context
     decode_step_per_ctx_s: float  # + this per running request per 100k context tokens
     spec_algorithm: str | None  # e.g. "DFLASH"; None disables speculative decoding
-    spec_accept_length: float  # mean tokens per request per decode step (1.0 without spec)
+    spec_accept_length: float  # mean tokens per request per decode step (1.0 without spec): agent-shaped requests
     spec_num_draft_tokens: int
     max_running_requests: int
     chunked_prefill_size: int
@@ -62,6 +62,9 @@ class Profile:
     kv_bytes_per_token: int = 0
     recent_window_s: float = 10.0  # window of the "recent" gauges (throughput, hit rate)
     version: str = "0.5.23"  # SGLang version imitated
+    # plain prose (a chat request without tools, a `prose` workload): its own accept length;
+    # 0: the same as ``spec_accept_length`` (`accept_length`)
+    spec_accept_length_prose: float = 0.0
 
     def __post_init__(self) -> None:
         checks = {
@@ -73,6 +76,8 @@ class Profile:
             "decode_step_base_s > 0": self.decode_step_base_s > 0,
             "decode_step_per_ctx_s >= 0": self.decode_step_per_ctx_s >= 0,
             "spec_accept_length >= 1": self.spec_accept_length >= 1.0,
+            "spec_accept_length_prose == 0 or >= 1": self.spec_accept_length_prose == 0
+            or self.spec_accept_length_prose >= 1.0,
             "max_running_requests >= 1": self.max_running_requests >= 1,
             "chunked_prefill_size >= 1": self.chunked_prefill_size >= 1,
             "context_length >= 2": self.context_length >= 2,
@@ -88,6 +93,13 @@ class Profile:
     def effective_accept_length(self) -> float:
         """Tokens per request per decode step (1.0 when speculative decoding is off)."""
         return self.spec_accept_length if self.spec_algorithm else 1.0
+
+    def accept_length(self, prose: bool) -> float:
+        """Tokens per decode step of one request: ``spec_accept_length`` for agent-shaped
+        requests, ``spec_accept_length_prose`` (when set) for prose; 1.0 without spec."""
+        if prose and self.spec_algorithm and self.spec_accept_length_prose:
+            return self.spec_accept_length_prose
+        return self.effective_accept_length
 
     def replace(self, **changes: Any) -> Profile:
         """A copy with some parameters changed (validated again)."""

@@ -30,6 +30,9 @@ class SimRequest:
     # the prompt's page hashes when the caller already has them (it must pass exactly
     # ``kvcache.page_hashes(prompt_ids, page_size)``); None: the engine hashes the prompt
     page_hashes: list[int] | None = None
+    # plain prose rather than agent-shaped (a chat request without tools, a prose workload):
+    # decoded at the profile's prose accept length (`Profile.accept_length`)
+    prose: bool = False
 
 
 @dataclass
