@@ -8,12 +8,13 @@
                                              the deadline; "wait": answer once removed
     POST   /admin/replicas/undrain  {"url"}  back to routable
     GET    /admin/config                     effective configuration, secrets redacted
-    GET    /admin/scale                      scale advice now: desired replicas, ranking
-                                             coldest first with cache value, candidate
-    POST   /admin/scale/prepare-removal {"count"}
-                                             mark the N coldest active replicas as removal
+    GET    /admin/scale                      scale advice now: desired replicas per model,
+                                             ranking coldest first with cache value, candidate
+    POST   /admin/scale/prepare-removal {"count", "model"?}
+                                             mark the N coldest active replicas (of one
+                                             model's group, else of the fleet) as removal
                                              candidates (no new sessions, sessions move on
-                                             their next turn); 0 clears
+                                             their next turn); 0 clears; unknown model: 404
 
 Every call needs ``Authorization: Bearer <token>`` (``admin.token``; ``kvgate serve``
 always has one: configured, read from ``admin.token_file``, or generated at start-up by
@@ -47,7 +48,7 @@ from gateway.errors import Forbidden, GatewayError, InvalidRequest, NotFound, Un
 from gateway.kv_wiring import PreciseMode
 from gateway.metrics import GatewayMetrics
 from gateway.relay import json_response
-from gateway.scaling import ScaleLoop, report_json
+from gateway.scaling import ScaleLoop, UnknownGroup, report_json
 from gateway.settings import ConfigError, Settings
 from prefix_index.base import ReplicaId
 from replicas.model import ReplicaView
@@ -247,6 +248,8 @@ async def config(request: Request) -> Response:
 
 class PrepareRemoval(BaseModel):
     count: int = Field(ge=0, le=100_000, description="how many of the coldest active replicas to mark (0: clear)")
+    model: str | None = Field(default=None, max_length=1024,
+                              description="only this model's replicas (a key of GET /admin/scale's models)")
 
 
 @router.get("/scale")
@@ -257,7 +260,10 @@ async def scale(request: Request) -> Response:
 
 @router.post("/scale/prepare-removal")
 async def prepare_removal(body: PrepareRemoval, request: Request) -> Response:
-    report = await _gateway(request).scaling.prepare_removal(body.count)
+    try:
+        report = await _gateway(request).scaling.prepare_removal(body.count, body.model)
+    except UnknownGroup:
+        raise NotFound(f"no replica serves model {body.model!r}", param="model") from None
     return json_response(report_json(report))
 
 

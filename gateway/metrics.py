@@ -5,7 +5,8 @@ completions, generate, models, ...), ``status`` (HTTP code), ``policy``, ``reaso
 policy's small vocabulary), ``replica`` (fleet size), ``state``, ``tier``, ``plugin``,
 ``model`` (a model some replica serves, after aliases: ``served_models``; any other name,
 and a request refused before its model was read, counts as ``other``: never a
-client-chosen string).
+client-chosen string; on ``kvgate_desired_replicas`` the scale group, a replica's served
+names joined by ``,``, ``""`` while unknown: gateway/scaling.py).
 
 Request-path metrics are updated as requests go; fleet gauges (replica state, load,
 index sizes) are refreshed from the registry and the index when ``/metrics`` is scraped
@@ -123,8 +124,8 @@ class GatewayMetrics:
         self.plugin_seconds = Counter("kvgate_policy_plugin_seconds",
                                       "Time spent in each policy plugin", ["plugin"], registry=r)
         self.desired_replicas = Gauge("kvgate_desired_replicas",
-                                      "Replicas the fleet needs (cache working set, queueing); KEDA's signal",
-                                      registry=r)
+                                      "Replicas a model's pool needs (cache working set, queueing); KEDA's signal",
+                                      ["model"], registry=r)
         self.replica_cache_value = Gauge(
             "kvgate_replica_cache_value_tokens",
             "What removing the replica would lose: resident session tokens + recent hits + in flight",
@@ -280,14 +281,17 @@ class GatewayMetrics:
         self.retry_budget_exhausted.inc()
 
     # -- scale loop ------------------------------------------------------------------
-    def scale_advice(self, advice: ScaleAdvice) -> None:
-        """Set from every evaluation of the scale loop (gateway/scaling.py)."""
-        self.desired_replicas.set(advice.desired_replicas)
+    def scale_advice(self, advice: Mapping[str, ScaleAdvice]) -> None:
+        """Set from every evaluation of the scale loop (gateway/scaling.py): the advice per
+        model group (a group gone loses its series)."""
+        self.desired_replicas.clear()
         self.replica_cache_value.clear()
         self.replica_deletion_cost.clear()
-        for heat in advice.ranking:
-            self.replica_cache_value.labels(heat.url).set(heat.value)
-            self.replica_deletion_cost.labels(heat.url).set(advice.deletion_costs.get(heat.url, 0))
+        for model, group in advice.items():
+            self.desired_replicas.labels(model).set(group.desired_replicas)
+            for heat in group.ranking:
+                self.replica_cache_value.labels(heat.url).set(heat.value)
+                self.replica_deletion_cost.labels(heat.url).set(group.deletion_costs.get(heat.url, 0))
 
     def policy_error(self, hook: str) -> None:
         self.policy_errors.labels(hook).inc()

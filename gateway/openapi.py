@@ -163,7 +163,8 @@ def openapi_document() -> dict[str, Any]:
         "/admin/replicas/undrain": _admin("post", "undrain replica", ReplicaRef, errors=(400, 401, 403, 404)),
         "/admin/config": _admin("get", "effective config"),
         "/admin/scale": _admin("get", "scale advice"),
-        "/admin/scale/prepare-removal": _admin("post", "prepare removal", PrepareRemoval),
+        "/admin/scale/prepare-removal": _admin("post", "prepare removal", PrepareRemoval,
+                                                       errors=(400, 401, 403, 404)),
     }
     error = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type"],

@@ -24,17 +24,19 @@ active replicas) are marked through ``set_removal_candidate`` so the policy stop
 them new sessions and moves their sessions' next turns elsewhere, before Kubernetes
 deletes the pod; new replicas get new sessions first (the policy reads ``added_at_s``).
 
-The gateway (lead) runs ``advice = await advisor.tick(registry.views(), resident, hits)``
-every few seconds, exports ``advice.desired_replicas`` as ``kvgate_desired_replicas``
-(KEDA scales the SGLang Deployment on it) and hands ``advice.deletion_costs`` to a
-``PodDeletionCostAnnotator``.
+The gateway (``gateway/scaling.py``) runs one advisor per model: every few seconds
+``advice = await advisor.tick(views, resident, hits)`` over the replicas serving that
+model, exports ``advice.desired_replicas`` as ``kvgate_desired_replicas{model}`` (KEDA
+scales that model's pool on it) and hands the advisors' ``deletion_costs`` to a
+``PodDeletionCostAnnotator``. An advisor knows nothing of models: "the fleet" above is
+the views it is given.
 """
 from __future__ import annotations
 
 import inspect
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -92,8 +94,13 @@ def rank_for_scale_in(
     hits: Mapping[ReplicaId, int], params: ScaleParams = ScaleParams(),
 ) -> list[ReplicaHeat]:
     """Every replica with its cache value, coldest (cheapest to remove) first."""
-    heats = [ReplicaHeat(v.id, v.state, resident_tokens.get(v.id, 0) + params.hit_weight * hits.get(v.id, 0)
-                         + params.in_flight_tokens * v.in_flight) for v in views]
+    return coldest_first(ReplicaHeat(v.id, v.state, resident_tokens.get(v.id, 0)
+                                     + params.hit_weight * hits.get(v.id, 0) + params.in_flight_tokens * v.in_flight)
+                         for v in views)
+
+
+def coldest_first(heats: Iterable[ReplicaHeat]) -> list[ReplicaHeat]:
+    """The scale-in order: replicas not active first, then by cache value (then URL)."""
     return sorted(heats, key=lambda h: (_STATE_TIER[h.state], h.value, h.url))
 
 

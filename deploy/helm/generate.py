@@ -13,9 +13,10 @@ Replica pools: the objects of pool ``sglang`` (``POOL_KINDS``: its Deployment, S
 and ScaledObject) become ``templates/[<fleet>/]pool-<kind>.yaml``, rendered once per entry
 of ``.Values.pools`` (``pool_template``): the pool's name replaces ``sglang`` in their names
 and ``app.kubernetes.io/name`` labels, its served model the overlay's (``kvgate.io/model``,
-``--model`` / ``--served-model-name``), and ``modelPath``, ``draftModelPath``, ``replicas``,
-``resources`` (the ``sglang`` container's), when set, the overlay's values, which stay the
-defaults; ``autoscale: false`` drops its ScaledObject.
+``--model`` / ``--served-model-name``, the ``model`` of the ScaledObject's query: each pool
+scales on its own model's ``kvgate_desired_replicas``), and ``modelPath``, ``draftModelPath``,
+``replicas``, ``resources`` (the ``sglang`` container's), when set, the overlay's values,
+which stay the defaults; ``autoscale: false`` drops its ScaledObject.
 ``values.yaml`` is written by hand; tests/deploy/test_helm.py checks that ``helm template``
 with its defaults equals ``kubectl kustomize`` of each overlay, and with other values equals
 the site overlay with the same values.
@@ -167,12 +168,12 @@ def pool_template(kind: str, text: str, model: str) -> str:
     """One pool object (Helm template text of pool ``sglang``) as the template of any pool."""
     text = text.replace("{{ .Values.", "{{ $.Values.").replace("{{ .Release.", "{{ $.Release.")
     text = _sub(rf"^  name: {POOL}$", "  name: {{ $pool.name }}", text, count=1)
-    if kind != "ScaledObject":
-        text = _sub(rf"^(\s+app.kubernetes.io/name): {POOL}$", r"\1: {{ $pool.name }}", text)
+    text = _sub(rf"^(\s+app.kubernetes.io/name): {POOL}$", r"\1: {{ $pool.name }}", text)
     if kind == "Service":
         text = _sub(rf"^(    kvgate.io/model): {re.escape(model)}$", r"\1: {{ $pool.model | quote }}", text, count=1)
     if kind == "ScaledObject":
         text = _sub(rf"^(  scaleTargetRef:\n(?:    .*\n)*?    name): {POOL}$", r"\1: {{ $pool.name }}", text, count=1)
+        text = _sub(rf'^(      query: .*model="){re.escape(model)}(".*)$', r"\1{{ $pool.model }}\2", text, count=1)
     if kind == "Deployment":
         flag = "--served-model-name" if "- --served-model-name\n" in text else "--model"
         text = _arg_value(text, flag, "{{ $pool.model | quote }}")

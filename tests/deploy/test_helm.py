@@ -74,24 +74,35 @@ def test_defaults_render_the_overlay(helm: str, overlay: str) -> None:
     assert_same(rendered, build(overlay))
 
 
+# a site: the chart's values and the same values as a site overlay's (build_site)
+SITE_VALUES = ("image.repository=registry.example/kvgate", "image.tag=2.0.1",
+               "sim.image.repository=registry.example/kvgate-sim", "sim.image.tag=2.0.1",
+               "sglang.image.repository=registry.example/sglang", "sglang.image.tag=v0.5.24",
+               "prometheus.url=http://prom.obs.svc:9090", "prometheus.namespace=obs", "admin.operatorNamespace=ops")
+SITE_IMAGES = {"ghcr.io/kvgate/kvgate": ("registry.example/kvgate", "2.0.1"),
+               "ghcr.io/kvgate/kvgate-sim": ("registry.example/kvgate-sim", "2.0.1"),
+               "lmsysorg/sglang": ("registry.example/sglang", "v0.5.24")}
+SITE_PARAMS = {"prometheusUrl": "http://prom.obs.svc:9090", "monitoringNamespace": "obs", "operatorNamespace": "ops"}
+
+
 @pytest.mark.parametrize("overlay", FLEETS)
 def test_values_render_the_site_overlay(helm: str, overlay: str) -> None:
     fleet = overlay.split("/")[1]
-    rendered = render(helm, "team-b", f"fleet={fleet}", "createNamespace=true",
-                      "image.repository=registry.example/kvgate", "image.tag=2.0.1",
-                      "sim.image.repository=registry.example/kvgate-sim", "sim.image.tag=2.0.1",
-                      "sglang.image.repository=registry.example/sglang", "sglang.image.tag=v0.5.24",
-                      "prometheus.url=http://prom.obs.svc:9090", "prometheus.namespace=obs",
-                      "admin.operatorNamespace=ops")
-    site = build_site(overlay, "team-b",
-                      {"ghcr.io/kvgate/kvgate": ("registry.example/kvgate", "2.0.1"),
-                       "ghcr.io/kvgate/kvgate-sim": ("registry.example/kvgate-sim", "2.0.1"),
-                       "lmsysorg/sglang": ("registry.example/sglang", "v0.5.24")},
-                      {"prometheusUrl": "http://prom.obs.svc:9090", "monitoringNamespace": "obs",
-                       "operatorNamespace": "ops"})
+    rendered = render(helm, "team-b", f"fleet={fleet}", "createNamespace=true", *SITE_VALUES)
+    site = build_site(overlay, "team-b", SITE_IMAGES, SITE_PARAMS)
     for doc in rendered:
         validate(doc)
     assert_same(rendered, site)
+
+
+def test_two_pools_site_each_scaled_on_its_own_model(helm: str) -> None:
+    """Two pools in a site: each ScaledObject queries its own model in the site's namespace."""
+    rendered = render(helm, "team-b", "createNamespace=true", *SITE_VALUES, files=("two-models-sim.yaml",))
+    assert_same(rendered, build_site("overlays/two-models", "team-b", SITE_IMAGES, SITE_PARAMS))
+    queries = {d["spec"]["scaleTargetRef"]["name"]: d["spec"]["triggers"][0]["metadata"]["query"]
+               for d in rendered if d["kind"] == "ScaledObject"}
+    assert queries == {"sglang": 'max(kvgate_desired_replicas{namespace="team-b",model="kimi-k2.6"})',
+                       "sglang-next": 'max(kvgate_desired_replicas{namespace="team-b",model="kimi-next"})'}
 
 
 def test_toggles(helm: str) -> None:

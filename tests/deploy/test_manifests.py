@@ -154,7 +154,9 @@ def test_monitoring_and_autoscaling(built: dict[str, list[Doc]]) -> None:
     docs = built["overlays/gpu-fleet"]
     so = find(docs, "ScaledObject", "sglang")
     assert so["spec"]["scaleTargetRef"]["name"] == "sglang"
-    assert "kvgate_desired_replicas" in so["spec"]["triggers"][0]["metadata"]["query"]
+    model = find(docs, "Service", "sglang")["metadata"]["labels"]["kvgate.io/model"]
+    assert so["spec"]["triggers"][0]["metadata"]["query"] == \
+        f'max(kvgate_desired_replicas{{namespace="kvgate",model="{model}"}})'  # the pool's own model
     sm = find(docs, "ServiceMonitor", "kvgate")
     assert sm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvgate"}
     public = find(docs, "Service", "kvgate")  # the ServiceMonitor scrapes the public Service's pods
@@ -295,7 +297,7 @@ def test_site_parameters_reach_every_object(overlay: str) -> None:
     for stale in ('namespace=\\"kvgate\\"', "prometheus-operated", '"kvgate-operators"', "ghcr.io/kvgate"):
         assert stale not in text, stale
     trigger = find(docs, "ScaledObject", "sglang")["spec"]["triggers"][0]["metadata"]
-    assert trigger["query"] == 'max(kvgate_desired_replicas{namespace="team-a"})'
+    assert trigger["query"] == 'max(kvgate_desired_replicas{namespace="team-a",model="kimi-k2.6"})'
     assert trigger["serverAddress"] == "http://prom.obs.svc:9090"
     assert sorted(re.findall(r'"kubernetes.io/metadata.name": "([^"]+)"', text)) == ["obs", "obs", "ops"]
     images = {c["image"] for _n, c, _p in containers(docs)}

@@ -4,11 +4,13 @@ deploy/overlays/two-models (simulated replicas) and the chart with
 deploy/helm/two-models-sim.yaml build the same objects; the chart with
 deploy/helm/two-models.yaml deploys two SGLang pools on GPU nodes. In every case each pool
 has its own Deployment, Service and PDB selecting its pods only, serves the model its
-Service's ``kvgate.io/model`` label names, and the shared objects (network policies,
+Service's ``kvgate.io/model`` label names, is scaled by a KEDA ScaledObject of its own on
+its own model's ``kvgate_desired_replicas``, and the shared objects (network policies,
 PodMonitor, the gateway's discovery and scale-in selectors, RBAC) cover every pool.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -66,12 +68,23 @@ def check_pools(docs: list[Doc], pools: dict[str, str]) -> None:
         assert all(_match(selector, labels) for labels in pod_labels.values()), selector
     role = find(docs, "Role", "kvgate")  # namespace-wide: every pool's slices and pods
     assert all("resourceNames" not in rule for rule in role["rules"])
+    check_scaled_objects(docs, pools)
+
+
+def check_scaled_objects(docs: list[Doc], pools: dict[str, str]) -> None:
+    """Each ScaledObject scales one pool's Deployment on that pool's own model's signal."""
+    for so in (d for d in docs if d["kind"] == "ScaledObject"):
+        name = so["metadata"]["name"]
+        assert name in pools and so["spec"]["scaleTargetRef"]["name"] == name, name
+        query = so["spec"]["triggers"][0]["metadata"]["query"]
+        found = re.fullmatch(r'max\(kvgate_desired_replicas\{namespace="[a-z0-9-]+",model="([^"]+)"\}\)', query)
+        assert found and found.group(1) == pools[name], (name, query)
 
 
 def test_two_models_overlay() -> None:
     docs = build("overlays/two-models")
     check_pools(docs, SIM_POOLS)
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject"] == ["sglang"]
+    assert sorted(d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject") == ["sglang", "sglang-next"]
 
 
 def test_two_models_sim_values_render_the_overlay(helm: str) -> None:
@@ -90,12 +103,12 @@ def test_two_models_gpu_values(helm: str) -> None:
                               ("sglang-next", "/models/Kimi-Next", "/models/Kimi-Next-DFlash")):
         assert args[name][args[name].index("--model-path") + 1] == path
         assert args[name][args[name].index("--speculative-draft-model-path") + 1] == draft
-    assert (base["spec"]["replicas"], nxt["spec"]["replicas"]) == (2, 1)
+    assert (base["spec"]["replicas"], nxt["spec"]["replicas"]) == (2, 2)
     # everything else of the replica is the same launch: the pools differ only in their values
     strip = {"--model-path", "--served-model-name", "--speculative-draft-model-path"}
     same = [[a for i, a in enumerate(v) if a not in strip and (i == 0 or v[i - 1] not in strip)] for v in args.values()]
     assert same[0] == same[1]
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject"] == ["sglang"]
+    assert sorted(d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject") == ["sglang", "sglang-next"]
     assert len([d for d in docs if d["kind"] == "PersistentVolumeClaim"]) == 1  # one model cache
 
 
@@ -112,6 +125,12 @@ def test_pool_values_override_and_defaults(helm: str) -> None:
     assert find(docs, "Deployment", "pool-b")["spec"]["replicas"] == 4  # the overlay's
     scaled = {d["metadata"]["name"]: d["spec"]["scaleTargetRef"]["name"] for d in docs if d["kind"] == "ScaledObject"}
     assert scaled == {"sglang": "sglang", "pool-b": "pool-b"}
+
+
+def test_autoscale_false_drops_the_pools_scaled_object(helm: str) -> None:
+    docs = render(helm, "kvgate", "pools[1].autoscale=false", files=("two-models.yaml",))
+    check_pools(docs, {"sglang": "kimi-k2.6", "sglang-next": "kimi-next"})
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject"] == ["sglang"]
 
 
 def test_pool_needs_name_and_model(helm: str) -> None:
