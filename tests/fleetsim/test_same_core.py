@@ -33,7 +33,7 @@ SYSTEM = "You are a careful coding agent. " * 200
 
 def stats(_: int) -> Any:
     return SimpleNamespace(num_running_reqs=0, num_waiting_reqs=0, num_waiting_uncached_tokens=0,
-                           token_usage=0.0, max_running_requests=32)
+                           token_usage=0.0, max_running_requests=32, spec_accept_length_avg=0.0)
 
 
 def workload(seed: int) -> list[tuple[float, RequestContext]]:
