@@ -164,7 +164,7 @@ def one_run(
     before = replica_counters(fleet.urls)
     extra: dict[str, object] = {"target_label": target, "target_version": target_version(target)}
     try:
-        with open_target(target, fleet.urls, log_dir, args.gateway_arg) as (url, pid):
+        with open_target(target, fleet.urls, log_dir, args.gateway_arg, effective_time_scale(args)) as (url, pid):
             cpu0 = process_cpu_s(pid)
             run = run_with_progress(
                 workload,

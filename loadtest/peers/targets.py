@@ -53,15 +53,18 @@ def kvgate_policy(target: str) -> str | None:
 
 @contextlib.contextmanager
 def open_target(
-    target: str, workers: Sequence[str], log_dir: Path, gateway_args: Sequence[str] = ()
+    target: str, workers: Sequence[str], log_dir: Path, gateway_args: Sequence[str] = (),
+    time_scale: float = 1.0,
 ) -> Iterator[tuple[str, int]]:
-    """Start ``target`` in front of ``workers``; yields its (base URL, pid)."""
+    """Start ``target`` in front of ``workers`` (time-scaled by ``time_scale``: `GatewayProcess`);
+    yields its (base URL, pid)."""
     policy = kvgate_policy(target)
     if target in FLOORS:
         with _python_floor(target, workers, log_dir) as opened:
             yield opened
     elif policy is not None:
-        with GatewayProcess(policy, workers, gateway_args, log_dir=log_dir, root=kvgate_checkout(target) or ROOT) as gw:
+        with GatewayProcess(policy, workers, gateway_args, log_dir=log_dir, root=kvgate_checkout(target) or ROOT,
+                            time_scale=time_scale) as gw:
             assert gw.proc is not None
             yield gw.url, gw.proc.pid
     else:

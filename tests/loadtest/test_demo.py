@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main as kvgate_main
-from loadtest.demo import TRACE_DIRS, _max_prompt, demo_workload, scaled_profile
+from loadtest.demo import TRACE_DIRS, GatewayProcess, _max_prompt, demo_workload, scaled_profile
 from loadtest.simulator.profile import load_profile
 
 
@@ -19,6 +19,15 @@ def test_scaled_profile(tmp_path: Path) -> None:
     assert scaled.device_tokens == base.device_tokens // 4 and scaled.host_tokens == base.host_tokens // 4
     assert scaled.prefill_tokens_per_s == base.prefill_tokens_per_s
     assert scaled.served_model_name == base.served_model_name
+
+
+def test_time_scaled_replicas_are_priced_at_the_constants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway in front of time-scaled replicas does not learn their (wall-time) speeds."""
+    monkeypatch.delenv("KVGATE_REGISTRY__LEARN_SPEEDS", raising=False)
+    scaled = GatewayProcess("cache-aware", ["http://127.0.0.1:1"], log_dir=tmp_path, time_scale=10.0)
+    assert scaled.env["KVGATE_REGISTRY__LEARN_SPEEDS"] == "false"
+    real_time = GatewayProcess("cache-aware", ["http://127.0.0.1:1"], log_dir=tmp_path)
+    assert "KVGATE_REGISTRY__LEARN_SPEEDS" not in real_time.env
 
 
 def test_demo_workload_fits_the_context(tmp_path: Path) -> None:
