@@ -123,9 +123,10 @@ def drain_observation(url: str, sigterm: Callable[[], None], proc: subprocess.Po
 
 
 def test_sigterm_drain_matches_the_simulator(real_servers: list[SGLangServer], tmp_path: Path) -> None:
-    """Runs LAST in the package (it stops real server 1): SIGTERM to the server's main
-    process, as an orchestrator sends it; health and readiness fail at once, requests are
-    still served (new ones too), nothing in flight is lost, then the process exits."""
+    """Stops real server 1 (no later test may use it; test_two_models.py uses server 0 only):
+    SIGTERM to the server's main process, as an orchestrator sends it; health and readiness
+    fail at once, requests are still served (new ones too), nothing in flight is lost, then
+    the process exits."""
     server = real_servers[1]
     assert server.popen is not None
     popen = server.popen

@@ -1,7 +1,8 @@
 """Two models behind one gateway over REAL SGLang CPU servers (issue 44).
 
-One ``kvgate serve`` in front of the package's servers: model A is ``tiny-llama`` on the
-two shared servers (``real_servers``: no KV events, routed approximately), model B is
+One ``kvgate serve`` in front of the package's servers: model A is ``tiny-llama`` on
+shared server 0 (``real_servers``: no KV events, routed approximately; server 1 is stopped
+by test_routing.py before this module runs), model B is
 ``tiny-kimi`` on the TikToken-form server (``tiktoken_server``: another tiny model with
 another tokenizer, publishing KV events, so routing on it is precise), with the alias
 ``kimi -> tiny-kimi`` (``models.aliases``). No server is started for this module. Asserted:
@@ -53,7 +54,8 @@ Pools = dict[str, list[str]]
 
 @pytest.fixture(scope="module")
 def pools(real_urls: list[str], tiktoken_server: SGLangServer) -> Pools:
-    return {A: real_urls, B: [tiktoken_server.url]}
+    # shared server 0 only: test_routing.py's SIGTERM test stops server 1, and runs before this module
+    return {A: real_urls[:1], B: [tiktoken_server.url]}
 
 
 @pytest.fixture(scope="module")
