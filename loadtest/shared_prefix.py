@@ -53,12 +53,12 @@ import math
 import random
 from dataclasses import dataclass
 
+from loadtest.synthetic import lognormal, p90_sigma
 from loadtest.traces import session_uuid
 from loadtest.workload import Session, Turn, Workload, delta_encode
 
 NAME = "synthetic-shared"
 HALVES = ("tuning", "validation")
-_Z90 = 1.2816  # standard normal 90th percentile
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class SharedPrefixGenerator:
         return tuple(itertools.islice(self._ids, max(tokens, 0) // self.p.block_size))
 
     def _lognormal(self, median: float, sigma: float) -> float:
-        return self.rng.lognormvariate(math.log(median), sigma)
+        return lognormal(self.rng, median, sigma)
 
     def _app(self) -> _App:
         p, rng, bs = self.p, self.rng, self.p.block_size
@@ -148,7 +148,7 @@ class SharedPrefixGenerator:
 
     def _output_tokens(self) -> int:
         p = self.p
-        sigma = math.log(p.output_p90 / p.output_median) / _Z90
+        sigma = p90_sigma(p.output_median, p.output_p90)
         return min(p.max_output_tokens, max(1, round(self._lognormal(p.output_median, sigma))))
 
     def _turn_count(self) -> int:

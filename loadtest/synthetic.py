@@ -87,8 +87,14 @@ class _Ids:
         return out
 
 
-def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
+def lognormal(rng: random.Random, median: float, sigma: float) -> float:
+    """A lognormal draw of this median and log-space sigma."""
     return rng.lognormvariate(math.log(median), sigma)
+
+
+def p90_sigma(median: float, p90: float) -> float:
+    """The log-space sigma of a lognormal with this median and 90th percentile."""
+    return math.log(p90 / median) / Z90
 
 
 class SyntheticGenerator:
@@ -106,8 +112,8 @@ class SyntheticGenerator:
         sessions = []
         for i in range(self.p.sessions):
             sid = session_uuid("synthetic", str(self.seed), str(i))
-            turns_sigma = math.log(self.p.turns_p90 / self.p.turns_median) / Z90
-            n = min(self.p.max_turns, max(1, round(_lognormal(self.rng, self.p.turns_median, turns_sigma))))
+            turns_sigma = p90_sigma(self.p.turns_median, self.p.turns_p90)
+            n = min(self.p.max_turns, max(1, round(lognormal(self.rng, self.p.turns_median, turns_sigma))))
             sessions.append(self._session(sid, {"x-claude-code-session-id": sid}, None, n,
                                           self.main_system, self.p.initial_median, 0.0))
         return Workload("synthetic", tuple(sessions))
@@ -115,19 +121,19 @@ class SyntheticGenerator:
     def _think(self, kind: str) -> float:
         p = self.p
         if kind == "user":
-            return _lognormal(self.rng, *p.user_think)
+            return lognormal(self.rng, *p.user_think)
         median, sigma = p.tool_think_slow if self.rng.random() < p.tool_slow_prob else p.tool_think_fast
-        return _lognormal(self.rng, median, sigma)
+        return lognormal(self.rng, median, sigma)
 
     def _output(self) -> int:
-        sigma = math.log(self.p.output_p90 / self.p.output_median) / Z90
-        return max(1, min(8192, round(_lognormal(self.rng, self.p.output_median, sigma))))
+        sigma = p90_sigma(self.p.output_median, self.p.output_p90)
+        return max(1, min(8192, round(lognormal(self.rng, self.p.output_median, sigma))))
 
     def _session(self, sid: str, headers: dict[str, str], parent: str | None, n_turns: int,
                  system: list[int], initial_median: float, delay_s: float) -> Session:
         p, rng, bs = self.p, self.rng, self.p.block_size
         system_tokens = len(system) * bs
-        history = round(_lognormal(rng, initial_median, p.initial_sigma))
+        history = round(lognormal(rng, initial_median, p.initial_sigma))
         hist_ids = self.ids.take(history // bs)
         prev_ids: list[int] = []
         turns: list[Turn] = []
@@ -142,11 +148,11 @@ class SyntheticGenerator:
             kind = "user" if rng.random() < p.user_prob else "tool"
             think = self._think(kind)
             if system_tokens + history > p.compact_at_tokens:
-                kind, history = "compaction", round(_lognormal(rng, p.compacted_median, 0.5))
+                kind, history = "compaction", round(lognormal(rng, p.compacted_median, 0.5))
                 hist_ids = self.ids.take(history // bs)
                 continue
             median = p.user_message_median if kind == "user" else p.tool_output_median
-            history += out + round(_lognormal(rng, median, p.tool_output_sigma))
+            history += out + round(lognormal(rng, median, p.tool_output_sigma))
             hist_ids += self.ids.take(history // bs - len(hist_ids))
         return Session(sid, self.namespace, bs, tuple(turns), len(system), headers, parent, delay_s)
 
@@ -158,7 +164,7 @@ class SyntheticGenerator:
             agent = session_uuid(sid, "agent", str(self.ids.next))
             sub_headers = {"x-claude-code-session-id": headers["x-claude-code-session-id"],
                            "x-claude-code-agent-id": agent, "x-claude-code-parent-agent-id": sid}
-            n = max(1, round(_lognormal(self.rng, self.p.sub_turns_median, 0.6)))
+            n = max(1, round(lognormal(self.rng, self.p.sub_turns_median, 0.6)))
             subs.append(self._session(agent, sub_headers, sid, n, self.sub_system,
                                       self.p.sub_initial_median, self.rng.uniform(0.0, 1.0)))
         return tuple(subs)
