@@ -212,7 +212,7 @@ def load_entry(stats: EngineStats, profile: Profile, include: set[str]) -> dict[
         # SGLang's load_inquirer: accepted tokens / forward count over the scheduler's life
         # (its lifetime totals), present once speculative decoding ran a step
         entry["speculative"] = {"accept_length": stats.spec_accept_length_avg,
-                                "accept_rate": _accept_rate(stats.spec_accept_length, profile)}
+                                "accept_rate": _accept_rate(stats.spec_accept_length_avg, profile)}
     if include & {"disagg", "all"}:
         entry["disaggregation"] = {
             "mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
