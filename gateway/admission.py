@@ -66,8 +66,9 @@ class Admission(AdmissionFront):
         self._on_waited = on_waited
         self._waiters: dict[int, asyncio.Future[None]] = {}
 
-    def offer(self, replica: ReplicaId, predicted_uncached_tokens: int, stream: bool) -> Ticket | None:
-        return self._ticket(replica, predicted_uncached_tokens, stream, self._clock())
+    def offer(self, replica: ReplicaId, predicted_uncached_tokens: int, stream: bool,
+              memory_bound: bool = False) -> Ticket | None:
+        return self._ticket(replica, predicted_uncached_tokens, stream, self._clock(), memory_bound)
 
     async def wait(self, ticket: Ticket | None) -> None:
         """Until ``ticket`` is released (see the module docstring)."""

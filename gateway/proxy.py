@@ -332,7 +332,8 @@ class Proxy:
     def _attempt(self, ctx: RequestContext, decision: Decision, lease: LoadLease, started_s: float) -> Attempt:
         """A leased and routed attempt, with its place in prefill admission."""
         return Attempt(ctx, decision, lease, started_s,
-                       self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream))
+                       self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream,
+                                            self.registry.memory_bound(decision.replica)))
 
     def _first_byte(self, attempt: Attempt) -> None:
         attempt.first_byte_s = time.perf_counter()

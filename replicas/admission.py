@@ -41,6 +41,14 @@ the cached tokens it reported, and a replica whose share of close predictions fe
 ``min_close`` is served first come, first served (its held requests released, new ones
 sent at once) until its predictions are close again.
 
+Ordering pays only where a replica runs many prefills side by side. A replica whose KV pool
+is smaller than one request of the longest context it serves (``ReplicaView.memory_bound``:
+/server_info's pool against /v1/models' ``max_model_len``) runs a few long requests at a
+time: they queue there for memory, not for compute, a released request that does not fit
+blocks the budget until one ends, and holding adds the gateway's wait to the replica's
+(KV pools x0.1: TTFT p99 +10-30% with admission, docs/benchmarks.md 1.7). Such a replica is
+served first come, first served from its first request, as an untrusted one is.
+
 The routing decision is made before admission (the held request already counts in the
 replica's load through its lease), so holding never changes where a request goes, only
 when it is sent. Only what the gateway can observe is gated: non-streaming requests (whose
@@ -317,11 +325,12 @@ class AdmissionFront:
         self.queue = PrefillQueue(budget_tokens, max_wait_s, self._released, bypass_factor)
         self.trust = trust or PredictionTrust()
 
-    def _ticket(self, replica: ReplicaId, tokens: int, stream: bool, now_s: float) -> Ticket | None:
+    def _ticket(self, replica: ReplicaId, tokens: int, stream: bool, now_s: float,
+                memory_bound: bool = False) -> Ticket | None:
         if not self.enabled or not stream:
             return None
-        if not self.trust.trusted(replica):
-            self.queue.flush(replica)  # first come, first served there until predictions are close again
+        if memory_bound or not self.trust.trusted(replica):
+            self.queue.flush(replica)  # first come, first served there (module docstring)
             return None
         return self.queue.offer(replica, tokens, now_s)
 

@@ -17,6 +17,12 @@ class ReplicaState(str, enum.Enum):
     REMOVED = "removed"
 
 
+def memory_bound(device_tokens: int, context_tokens: int) -> bool:
+    """A KV pool of ``device_tokens`` cannot hold one request of ``context_tokens`` (both
+    known): such a replica runs few long requests at once, so they queue for memory."""
+    return 0 < device_tokens < context_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaView:
     """A frozen snapshot of one replica, as policies see it at decision time.
@@ -32,6 +38,7 @@ class ReplicaView:
     device_tokens: int = 0
     host_tokens: int = 0
     page_size: int = 64
+    context_tokens: int = 0  # the longest context it serves (0 = unknown)
     max_running_requests: int = 0  # 0 = unknown
     # the model ids it serves, from /v1/models (empty: not known yet, or it reports none)
     models: frozenset[str] = frozenset()
@@ -72,6 +79,12 @@ class ReplicaView:
             return max(queue, self.reported_waiting_uncached_tokens)
         released = max(0, queue - sum(held))
         return max(released, self.reported_waiting_uncached_tokens) + sum(x for x in held if x <= uncached_tokens)
+
+    @property
+    def memory_bound(self) -> bool:
+        """Its KV pool is smaller than one request of the longest context it serves: long
+        requests queue there for memory, not for compute (``replicas.admission``)."""
+        return memory_bound(self.device_tokens, self.context_tokens)
 
     @property
     def routable(self) -> bool:

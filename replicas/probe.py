@@ -31,11 +31,12 @@ real server in ``tests/sglang_real``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import math
 import ssl as ssl_
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -66,6 +67,9 @@ class Capacity:
     max_running_requests: int = 0
     served_model_name: str | None = None
     version: str | None = None
+    # the longest context it serves (`/v1/models` max_model_len, else /server_info's
+    # context_length; 0 unknown)
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +360,15 @@ def parse_server_info(body: dict[str, Any]) -> Capacity:
         max_running_requests=max_running,
         served_model_name=name if isinstance(name, str) else None,
         version=version if isinstance(version, str) else None,
+        context_tokens=_int(body.get("context_length")),
     )
+
+
+def with_context(capacity: Capacity, cards: Sequence[dict[str, Any]]) -> Capacity:
+    """``capacity`` with the longest ``max_model_len`` of the model cards (SGLang's effective
+    context length) where they report one; else as it is. Pure."""
+    longest = max((_int(card.get("max_model_len")) for card in cards), default=0)
+    return dataclasses.replace(capacity, context_tokens=longest) if longest > 0 else capacity
 
 
 def parse_loads(body: dict[str, Any]) -> ReportedLoad | None:

@@ -109,6 +109,7 @@ class ReplicaRecord:
             device_tokens=cap.device_tokens,
             host_tokens=cap.host_tokens,
             page_size=cap.page_size,
+            context_tokens=cap.context_tokens,
             max_running_requests=cap.max_running_requests or rep.max_running_requests,
             models=self.models,
             in_flight=c.in_flight + max(0, r.in_flight),

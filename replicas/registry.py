@@ -29,7 +29,7 @@ from replicas.config import RegistryConfig
 from replicas.drain import DrainInfo, drain_outcome
 from replicas.health import HealthEvent, HealthTracker, next_state, state_after_undrain
 from replicas.load import LoadCounters, LoadLease
-from replicas.model import ReplicaState, ReplicaView
+from replicas.model import ReplicaState, ReplicaView, memory_bound
 from replicas.outlier import OutlierDetector
 from replicas.record import Ejections, RegistryListener, ReplicaRecord, ReplicaTable, normalize_url
 from replicas.shared_state import SharedSnapshot, SharedState
@@ -173,6 +173,12 @@ class Registry:
     def get(self, url: str) -> ReplicaView | None:
         r = self._table.records.get(normalize_url(url))
         return r.view() if r else None
+
+    def memory_bound(self, replica: ReplicaId) -> bool:
+        """``ReplicaView.memory_bound`` of a routed replica, without building its view."""
+        r = self._table.records.get(replica)
+        cap = r.capacity if r else None
+        return cap is not None and memory_bound(cap.device_tokens, cap.context_tokens)
 
     def models(self) -> list[dict[str, Any]]:
         """The model cards of every registered replica, deduplicated by id (first wins)."""
@@ -365,8 +371,9 @@ class Registry:
             cards = await probe.fetch_models(self._get, rec.id, timeout)
             if self._table.records.get(rec.id) is not rec:
                 return
-            rec.capacity = cap
-            self._set_models(rec, probe.served_cards(cards, cap))
+            served = probe.served_cards(cards, cap)
+            rec.capacity = probe.with_context(cap, served)
+            self._set_models(rec, served)
         self._probe_outcome(rec, res)
         self._apply(rec, res.event)
 

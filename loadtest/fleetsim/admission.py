@@ -24,9 +24,10 @@ class SimAdmission(AdmissionFront):
         self.fleet = fleet
         self._sends: dict[int, Callable[[], None]] = {}
 
-    def offer(self, replica: ReplicaId, tokens: int, stream: bool, now_s: float) -> Ticket | None:
+    def offer(self, replica: ReplicaId, tokens: int, stream: bool, now_s: float,
+              memory_bound: bool = False) -> Ticket | None:
         """The request's ticket (None: not gated); then `send_or_hold` it."""
-        return self._ticket(replica, tokens, stream, now_s)
+        return self._ticket(replica, tokens, stream, now_s, memory_bound)
 
     def send_or_hold(self, ticket: Ticket | None, send: Callable[[], None]) -> None:
         """``send()`` now if released, else when the rule releases the ticket. (Two steps, so

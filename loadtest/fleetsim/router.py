@@ -118,7 +118,7 @@ class SimRouter:
         return tuple(
             ReplicaView(
                 id=rid, state=ReplicaState.ACTIVE, device_tokens=s.device_tokens,
-                host_tokens=s.host_tokens, page_size=s.page_size,
+                host_tokens=s.host_tokens, page_size=s.page_size, context_tokens=s.context_tokens,
                 max_running_requests=s.max_running_requests, in_flight=c.in_flight,
                 pending_prefill_tokens=c.pending_prefill_tokens, decoding=c.decoding,
                 held_prefill=self.held_prefill(rid),

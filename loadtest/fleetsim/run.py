@@ -60,6 +60,7 @@ from prefix_index.config import IndexConfig
 from prefix_index.local_index import embedded_index
 from replicas.admission import Ticket
 from replicas.load import LoadLease
+from replicas.model import memory_bound
 from replicas.probe import Capacity
 from replicas.speed import ReplicaSpeed, fleet_seed
 
@@ -151,7 +152,8 @@ class FleetRun:
         self.want_text = policy_name in POLICIES_NEEDING_ROUTING_TEXT
         self.policy = make_policy(policy_name, self._params(policy_name, block), cfg.seed)
         specs = [Capacity(pr.device_tokens, pr.host_tokens, pr.page_size, pr.max_running_requests,
-                          pr.served_model_name) for pr in profiles]
+                          pr.served_model_name, context_tokens=pr.context_length) for pr in profiles]
+        self.memory_bound = [memory_bound(s.device_tokens, s.context_tokens) for s in specs]
         ids = [ReplicaId(f"sim-{i}") for i in range(len(profiles))]
         self.admission = SimAdmission(cfg.admission, self.fleet)
         seed = fleet_seed(cfg.policy_params.get(policy_name) or {})  # as the gateway seeds them
@@ -223,7 +225,8 @@ class FleetRun:
                          stream="first", page_hashes=prompt.page_hashes(ids, self.cfg.profile.page_size),
                          prose=self.prose)
         f = _InFlight(self, rec, ctx, decision, lease, on_done)
-        f.ticket = self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream, now_s)
+        f.ticket = self.admission.offer(decision.replica, lease.predicted_uncached_tokens, ctx.stream, now_s,
+                                        self.memory_bound[slot])
         self.admission.send_or_hold(f.ticket, lambda: self.fleet.submit(slot, req, f))
         if not rec.rejected:
             self.oracle.record(hashes, matched)

@@ -25,12 +25,14 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import httpx
 import openai
 
 from loadtest.simulator.fleet import SimFleet
 from tests.integration.conftest import Gateway, GatewayFactory
+from tests.support.profiles import tiny_not_memory_bound
 
 SAME_STEP_S = 0.05  # first tokens of one prefill step, as the client sees them
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
@@ -95,8 +97,8 @@ def _waits(gw: Gateway) -> float:
                if line.startswith('kvgate_admission_wait_seconds_count{released_by="budget"}'))
 
 
-def test_a_short_turn_overtakes_a_cold_one_only_with_admission(make_gateway: GatewayFactory, tmp_path) -> None:
-    with SimFleet(1, profile="tiny", time_scale=0.25, seed=5, log_dir=tmp_path) as fleet:
+def test_a_short_turn_overtakes_a_cold_one_only_with_admission(make_gateway: GatewayFactory, tmp_path: Path) -> None:
+    with SimFleet(1, profile=str(tiny_not_memory_bound(tmp_path)), time_scale=0.25, seed=5, log_dir=tmp_path) as fleet:
         fifo = make_gateway(fleet.urls, "--set", "admission.enabled=false")
         try:
             order = asyncio.run(_race(fifo, fleet.urls[0], 1))
@@ -111,3 +113,18 @@ def test_a_short_turn_overtakes_a_cold_one_only_with_admission(make_gateway: Gat
         at = dict(order)
         assert at["B"] - at["C"] > SAME_STEP_S, order  # a whole prefill earlier, not the same step
         assert _waits(gated) >= 2  # B and C were held, and released by the budget
+
+
+def test_a_memory_bound_replica_is_first_come_first_served(make_gateway: GatewayFactory, tmp_path: Path) -> None:
+    """The bundled ``tiny`` replica serves 8,192-token contexts on a 4,096-token KV pool (its
+    /v1/models ``max_model_len`` against /server_info's pool): the gateway holds nothing for
+    it, whatever the budget, and the short turn does not overtake."""
+    with SimFleet(1, profile="tiny", time_scale=0.25, seed=5, log_dir=tmp_path) as fleet:
+        gated = make_gateway(fleet.urls, "--set", "admission.budget_tokens=16")
+        order = asyncio.run(_race(gated, fleet.urls[0], 21))
+        at = dict(order)
+        assert len(order) == 3 and order[0][0] == "A", order
+        assert at["C"] >= at["B"] - SAME_STEP_S, order
+        text = httpx.get(gated.url + "/metrics", timeout=10).text
+        assert not [line for line in text.splitlines()
+                    if line.startswith("kvgate_admission_wait_seconds_count{") and float(line.split()[-1]) > 0]

@@ -17,6 +17,7 @@ def test_capacity_with_hicache_ratio() -> None:
         max_running_requests=128,
         served_model_name="kimi-k2",
         version="0.5.23",
+        context_tokens=131072,
     )
 
 

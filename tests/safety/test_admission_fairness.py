@@ -29,6 +29,7 @@ import pytest
 from loadtest.simulator.fleet import SimFleet
 from tests.integration.conftest import Gateway, start_gateway
 from tests.integration.test_admission import prompt
+from tests.support.profiles import tiny_not_memory_bound
 
 pytestmark = pytest.mark.safety
 ATTACKERS, ATTACK_WORDS, VICTIM_WORDS, VICTIMS = 6, 600, 2_400, 3
@@ -67,7 +68,7 @@ async def _attack(gw: Gateway, seed: int) -> tuple[list[float], int]:
 
 
 def test_looping_small_streams_cannot_starve_a_large_one(tmp_path: Path) -> None:
-    with SimFleet(1, profile="tiny", time_scale=0.25, seed=5, log_dir=tmp_path) as fleet:
+    with SimFleet(1, profile=str(tiny_not_memory_bound(tmp_path)), time_scale=0.25, seed=5, log_dir=tmp_path) as fleet:
         fifo = start_gateway(fleet.urls, tmp_path / "fifo.log", "--set", "admission.enabled=false")
         try:
             off, _ = asyncio.run(_attack(fifo, 1))
