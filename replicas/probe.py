@@ -45,6 +45,7 @@ import httpx
 import orjson
 
 from replicas.health import HealthEvent
+from replicas.model import memory_bound
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ class Capacity:
     # the longest context it serves (`/v1/models` max_model_len, else /server_info's
     # context_length; 0 unknown)
     context_tokens: int = 0
+
+    @property
+    def memory_bound(self) -> bool:
+        return memory_bound(self.device_tokens, self.context_tokens)
 
 
 @dataclass(frozen=True, slots=True)

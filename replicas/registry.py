@@ -29,7 +29,7 @@ from replicas.config import RegistryConfig
 from replicas.drain import DrainInfo, drain_outcome
 from replicas.health import HealthEvent, HealthTracker, next_state, state_after_undrain
 from replicas.load import LoadCounters, LoadLease
-from replicas.model import ReplicaState, ReplicaView, memory_bound
+from replicas.model import ReplicaState, ReplicaView
 from replicas.outlier import OutlierDetector
 from replicas.record import Ejections, RegistryListener, ReplicaRecord, ReplicaTable, normalize_url
 from replicas.shared_state import SharedSnapshot, SharedState
@@ -177,8 +177,7 @@ class Registry:
     def memory_bound(self, replica: ReplicaId) -> bool:
         """``ReplicaView.memory_bound`` of a routed replica, without building its view."""
         r = self._table.records.get(replica)
-        cap = r.capacity if r else None
-        return cap is not None and memory_bound(cap.device_tokens, cap.context_tokens)
+        return bool(r and r.capacity and r.capacity.memory_bound)
 
     def models(self) -> list[dict[str, Any]]:
         """The model cards of every registered replica, deduplicated by id (first wins)."""
@@ -220,15 +219,10 @@ class Registry:
 
     def _insert(self, rid: ReplicaId) -> ReplicaRecord:
         c = self.config
-        rec = ReplicaRecord(
-            id=rid,
-            state=ReplicaState.JOINING,
-            added_at_s=self._clock(),
+        return self._table.add(ReplicaRecord(
+            id=rid, state=ReplicaState.JOINING, added_at_s=self._clock(), static=rid in self._static,
             health=HealthTracker(c.unhealthy_after_failures, c.healthy_after_successes),
-            static=rid in self._static,
-            speed=ReplicaSpeed.seeded(*self._speed_seed) if c.learn_speeds else None,
-        )
-        return self._table.add(rec)
+            speed=ReplicaSpeed.seeded(*self._speed_seed) if c.learn_speeds else None))
 
     def observe_speed(self, url: str, prompt_tokens: int | None, cached_tokens: int | None, ttft_s: float | None,
                       output_tokens: int | None, stream_s: float | None) -> None:
@@ -371,8 +365,7 @@ class Registry:
             cards = await probe.fetch_models(self._get, rec.id, timeout)
             if self._table.records.get(rec.id) is not rec:
                 return
-            served = probe.served_cards(cards, cap)
-            rec.capacity = probe.with_context(cap, served)
+            rec.capacity = probe.with_context(cap, served := probe.served_cards(cards, cap))
             self._set_models(rec, served)
         self._probe_outcome(rec, res)
         self._apply(rec, res.event)

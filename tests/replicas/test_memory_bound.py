@@ -19,6 +19,7 @@ def test_memory_bound_only_when_both_figures_are_known_and_the_pool_is_smaller()
     view = ReplicaView(id=A, state=ReplicaState.ACTIVE, device_tokens=200_000, context_tokens=262_144)
     assert view.memory_bound
     assert not ReplicaView(id=A, state=ReplicaState.ACTIVE, device_tokens=200_000).memory_bound
+    assert Capacity(device_tokens=4096, context_tokens=8192).memory_bound and not Capacity().memory_bound
 
 
 def test_context_from_server_info_then_the_model_cards() -> None:
