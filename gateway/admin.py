@@ -156,6 +156,7 @@ def view_json(view: ReplicaView, now_s: float) -> dict[str, Any]:
     data["state"] = view.state.value
     data["url"] = view.id
     data["routable"] = view.routable
+    data["memory_bound"] = view.memory_bound  # prefill admission holds nothing for it
     data["models"] = sorted(view.models)
     if view.drain_deadline_s is not None:
         data["drain_remaining_s"] = max(0.0, view.drain_deadline_s - now_s)

@@ -3,6 +3,7 @@ come, first served: prefill admission holds nothing for them (replicas/model.py,
 replicas/admission.py; docs/benchmarks.md 1.7)."""
 from __future__ import annotations
 
+from gateway.admin import view_json
 from prefix_index.base import ReplicaId
 from replicas.admission import AdmissionFront, TicketState
 from replicas.model import ReplicaState, ReplicaView, memory_bound
@@ -20,6 +21,8 @@ def test_memory_bound_only_when_both_figures_are_known_and_the_pool_is_smaller()
     assert view.memory_bound
     assert not ReplicaView(id=A, state=ReplicaState.ACTIVE, device_tokens=200_000).memory_bound
     assert Capacity(device_tokens=4096, context_tokens=8192).memory_bound and not Capacity().memory_bound
+    shown = view_json(view, 0.0)
+    assert shown["memory_bound"] is True and shown["context_tokens"] == 262_144
 
 
 def test_context_from_server_info_then_the_model_cards() -> None:
