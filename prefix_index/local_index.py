@@ -5,11 +5,14 @@ backend's local copy, the fleet simulator), and for chains its representation by
 (``segments.py``: Python objects per recorded chain, the fastest below a few dozen
 replicas) until it holds ``COMPACT_FROM_REPLICAS`` replicas, then the compact one
 (``compact.py``: flat numpy arrays, ~18 B a held block and a lookup that does not walk
-every replica) from then on. The switch happens once, inside the write that adds the
-replica reaching the threshold: every replica's recency list, tiers and truncation gaps
-are copied over (``SegmentPrefixIndex.lanes`` -> ``CompactPrefixIndex.load``) and the
-session table is handed over as it is, so answers are the same before and after. It
-never switches back (the compact index serves any fleet size; a fleet that shrinks and
+every replica) from then on. The switch starts once, at the write that adds the replica
+reaching the threshold, and moves **one replica per write** from then on: its recency
+list, tiers and truncation gaps are copied over (``SegmentPrefixIndex.pop_lane`` ->
+``CompactPrefixIndex.load``) while each replica is answered by the representation that
+holds it (a match asks both for their own replicas; a new replica starts in the compact
+one), and the session table is shared as it is, so answers are the same before, during and
+after. Copying all 31 full replicas in one write blocked the event loop for 1.6 s; one
+replica is ~1/31 of it (docs/benchmarks.md 5.1). It never switches back (the compact index serves any fleet size; a fleet that shrinks and
 grows again would otherwise pay the copy each time). Why two representations and why 32:
 docs/benchmarks.md, "512 replicas on the default index".
 """
@@ -47,49 +50,74 @@ class FleetSizedIndex(EmbeddedMethods):
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         compact_from: int = COMPACT_FROM_REPLICAS,
     ) -> None:
+        # replicas not moved yet (None once all are) and the compact index (None before the switch)
         self._segments: SegmentPrefixIndex | None = SegmentPrefixIndex(
             session_ttl_s, default_capacity, clock, max_sessions=max_sessions)
-        self._rep: SegmentPrefixIndex | CompactPrefixIndex = self._segments
+        self._compact: CompactPrefixIndex | None = None
         self._compact_args = (session_ttl_s, default_capacity, clock, max_sessions)
         self._compact_from = compact_from
-        self.sessions = self._rep.sessions
+        self.sessions = self._segments.sessions
 
     @property
     def representation(self) -> str:
-        """``segments`` or ``compact``: what holds the blocks now."""
-        return "segments" if self._segments is not None else "compact"
+        """``segments``, ``moving`` (replicas going over one per write) or ``compact``."""
+        return "segments" if self._compact is None else "compact" if self._segments is None else "moving"
+
+    def _holder(self, replica: ReplicaId) -> SegmentPrefixIndex | CompactPrefixIndex:
+        """The representation that holds ``replica`` (a new one: the newer representation)."""
+        segments, compact = self._segments, self._compact
+        if compact is None or (segments is not None and segments.holds(replica)):
+            assert segments is not None
+            return segments
+        return compact
 
     def match_now(self, hashes: Sequence[BlockHash], replicas: Sequence[ReplicaId]) -> dict[ReplicaId, PrefixMatch]:
-        return self._rep.match_now(hashes, replicas)
+        segments, compact = self._segments, self._compact
+        if compact is None:
+            assert segments is not None
+            return segments.match_now(hashes, replicas)
+        if segments is None:
+            return compact.match_now(hashes, replicas)
+        old = [r for r in replicas if segments.holds(r)]
+        new = [r for r in replicas if not segments.holds(r)]
+        found = segments.match_now(hashes, old) if old else {}
+        if new:
+            found.update(compact.match_now(hashes, new))
+        return {r: found[r] for r in replicas}
 
     def record_now(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:
-        self._rep.record_now(replica, hashes)
+        self._holder(replica).record_now(replica, hashes)
         self._grown()
 
     def tier_blocks(self) -> dict[ReplicaId, tuple[int, int]]:
-        return self._rep.tier_blocks()
+        segments, compact = self._segments, self._compact
+        return {**(segments.tier_blocks() if segments else {}), **(compact.tier_blocks() if compact else {})}
 
     async def truncate(self, replica: ReplicaId, hashes: Sequence[BlockHash], keep_blocks: int) -> None:
-        await self._rep.truncate(replica, hashes, keep_blocks)
+        await self._holder(replica).truncate(replica, hashes, keep_blocks)
 
     async def set_capacity(self, replica: ReplicaId, capacity: ReplicaCapacity) -> None:
-        await self._rep.set_capacity(replica, capacity)
+        await self._holder(replica).set_capacity(replica, capacity)
         self._grown()
 
     async def remove_replica(self, replica: ReplicaId) -> None:
-        await self._rep.remove_replica(replica)
+        await self._holder(replica).remove_replica(replica)
 
     def _grown(self) -> None:
-        """After a write that may have added a replica: switch at the threshold."""
+        """After a write: start the switch at the threshold, then move one replica over."""
         segments = self._segments
-        if segments is None or segments.replica_count() < self._compact_from:
+        if segments is None:
             return
-        ttl_s, default, clock, max_sessions = self._compact_args
-        compact = CompactPrefixIndex(ttl_s, default, clock, max_sessions=max_sessions)
-        compact.sessions = self.sessions  # the same table: sessions are not copied
-        for rid, capacity, blocks, gaps in segments.lanes():
-            compact.load(rid, capacity, blocks, gaps)
-        self._rep, self._segments = compact, None
+        if self._compact is None:
+            if segments.replica_count() < self._compact_from:
+                return
+            ttl_s, default, clock, max_sessions = self._compact_args
+            self._compact = CompactPrefixIndex(ttl_s, default, clock, max_sessions=max_sessions)
+            self._compact.sessions = self.sessions  # the same table: sessions are not copied
+        if segments.replica_count():
+            self._compact.load(*segments.pop_lane())
+        if not segments.replica_count():
+            self._segments = None
 
 
 EmbeddedIndex = FleetSizedIndex | MemoryPrefixIndex

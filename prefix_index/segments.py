@@ -44,7 +44,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import is_
 
@@ -227,12 +227,16 @@ class SegmentPrefixIndex(EmbeddedMethods):
     def replica_count(self) -> int:
         return len(self._lanes)
 
-    def lanes(self) -> Iterator[tuple[ReplicaId, ReplicaCapacity, list[BlockHash], set[BlockHash]]]:
-        """Per replica: its capacity, its blocks least recent first and its gaps
-        (``_SegmentLane.held_oldest_first``): what another representation needs to take
-        the index over (``prefix_index.local_index.FleetSizedIndex``)."""
-        for rid, lane in self._lanes.items():
-            yield (rid, lane.capacity, *lane.held_oldest_first())
+    def holds(self, replica: ReplicaId) -> bool:
+        return replica in self._lanes
+
+    def pop_lane(self) -> tuple[ReplicaId, ReplicaCapacity, list[BlockHash], set[BlockHash]]:
+        """The oldest replica's capacity, its blocks least recent first and its gaps
+        (``_SegmentLane.held_oldest_first``), taken out (its sessions stay): what another
+        representation needs to take the replica over (``prefix_index.local_index``)."""
+        rid = next(iter(self._lanes))
+        lane = self._lanes.pop(rid)
+        return (rid, lane.capacity, *lane.held_oldest_first())
 
     # -- writes ------------------------------------------------------------------
     def record_now(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> None:

@@ -57,3 +57,13 @@ def test_cli_runs_without_redis(capsys: pytest.CaptureFixture[str]) -> None:
                  "--chain-blocks", "100", "--sessions", "3", "--iterations", "5", "--skip-redis"]) == 0
     out = capsys.readouterr().out
     assert "memory" in out and "compact" in out and "load average" in out
+
+
+def test_switch_reports_every_write_of_the_move(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--switch``: 31 small replicas, then the 32nd; the switch takes a write a replica."""
+    assert main(["--switch", "--tokens-per-replica", "12800", "--chain-blocks", "100", "--skip-redis"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("switch "))
+    figures = dict(kv.split("=") for kv in line.split()[1:])
+    assert float(figures["switch_writes"]) == 32  # one replica moved over per write
+    assert 0 <= float(figures["switch_max_write_ms"].replace(",", "")) <= float(
+        figures["switch_total_ms"].replace(",", ""))
