@@ -60,7 +60,6 @@ from prefix_index.config import IndexConfig
 from prefix_index.local_index import embedded_index
 from replicas.admission import Ticket
 from replicas.load import LoadLease
-from replicas.model import memory_bound
 from replicas.probe import Capacity
 from replicas.speed import ReplicaSpeed, fleet_seed
 
@@ -153,7 +152,7 @@ class FleetRun:
         self.policy = make_policy(policy_name, self._params(policy_name, block), cfg.seed)
         specs = [Capacity(pr.device_tokens, pr.host_tokens, pr.page_size, pr.max_running_requests,
                           pr.served_model_name, context_tokens=pr.context_length) for pr in profiles]
-        self.memory_bound = [memory_bound(s.device_tokens, s.context_tokens) for s in specs]
+        self.memory_bound = [s.memory_bound for s in specs]
         ids = [ReplicaId(f"sim-{i}") for i in range(len(profiles))]
         self.admission = SimAdmission(cfg.admission, self.fleet)
         seed = fleet_seed(cfg.policy_params.get(policy_name) or {})  # as the gateway seeds them
