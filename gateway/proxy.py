@@ -344,29 +344,17 @@ class Proxy:
         """An attempt's failure before its answer: a timeout (``timeout_kind``), a refused or a
         broken connection (the table above), anything else as a broken one."""
         if isinstance(exc, TimeoutError):
-            return self._timeout(timeout_kind, replica)
-        if isinstance(exc, UpstreamFailure):
-            return self._broken(exc, replica)
-        return Failure("disconnect", UpstreamError(f"replica {replica} failed before answering ({exc})"))
-
-    @staticmethod
-    def _timeout(kind: str, replica: str) -> Failure:
-        return Failure(kind, UpstreamTimeout(f"replica {replica} timed out before answering ({kind})"))
-
-    @staticmethod
-    def _broken(exc: UpstreamFailure, replica: str) -> Failure:
+            return Failure(timeout_kind, UpstreamTimeout(f"replica {replica} timed out before answering "
+                                                         f"({timeout_kind})"))
         if isinstance(exc, ConnectFailed):
             return Failure("connect", UpstreamError(f"cannot connect to replica {replica}"))
         return Failure("disconnect", UpstreamError(f"replica {replica} failed before answering ({exc})"))
 
-    def _response_headers(self, attempt: Attempt) -> list[tuple[bytes, bytes]]:
+    @staticmethod
+    def _response_headers(attempt: Attempt) -> list[tuple[bytes, bytes]]:
         """The replica's headers, cleaned, plus the routing headers (raw)."""
         assert attempt.response is not None
-        return self._client_headers(attempt.decision, attempt.response.headers.raw)
-
-    @staticmethod
-    def _client_headers(decision: Decision, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [*downstream_headers(raw), *routing_headers(decision)]
+        return [*downstream_headers(attempt.response.headers.raw), *routing_headers(attempt.decision)]
 
     async def _buffered(self, attempt: Attempt, first: bytes, chunks: AsyncIterator[bytes],
                         headers: list[tuple[bytes, bytes]]) -> Response:

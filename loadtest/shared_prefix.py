@@ -54,11 +54,10 @@ import random
 from dataclasses import dataclass
 
 from loadtest.synthetic import lognormal, p90_sigma
-from loadtest.traces import session_uuid
+from loadtest.traces import HALVES, session_uuid
 from loadtest.workload import Session, Turn, Workload, delta_encode
 
 NAME = "synthetic-shared"
-HALVES = ("tuning", "validation")
 
 
 @dataclass(frozen=True)

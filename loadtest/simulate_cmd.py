@@ -27,6 +27,7 @@ import orjson
 from rich.console import Console
 
 from gateway.admission import AdmissionConfig
+from loadtest import traces
 from loadtest.fleetsim.capacity import add_capacity_arguments, run_capacity
 from loadtest.fleetsim.metrics import oracle_summary
 from loadtest.fleetsim.precise import INDEX_MODES
@@ -34,7 +35,7 @@ from loadtest.fleetsim.run import SimConfig, run_policy
 from loadtest.fleetsim.sessions import Pacing
 from loadtest.fleetsim.table import results_table
 from loadtest.simulator.profile import DEFAULT_PROFILE, Profile, load_profile
-from loadtest.traces import LoadReport
+from loadtest.traces import HALVES, LoadReport
 from loadtest.workload import Workload
 from policies.registry import DEFAULT_POLICY, POLICY_NAMES
 
@@ -79,8 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the profile's context length (longer prompts are rejected)")
     p.add_argument("--synthetic-scale", type=float, default=1.0,
                    help="--trace synthetic: multiply every token size (e.g. 0.02 for the tiny profile)")
-    p.add_argument("--shared-half", choices=("tuning", "validation"), default="tuning",
-                   help="--trace synthetic-shared: which half (independent apps and users) to generate")
+    p.add_argument("--half", choices=HALVES, default=None,
+                   help="open loop: one of two disjoint halves, for held-out evaluation (synthetic-shared: "
+                   "independent apps and users, default tuning; a recorded trace: split by each session's "
+                   "first block, loadtest.traces.half; default the whole trace)")
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="open loop (mooncake, bailian, synthetic-shared): replay F times as fast (arrivals / F)")
     p.add_argument("--index", default="approximate", metavar="MODE[,MODE]",
@@ -102,9 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_workload(args: argparse.Namespace, report: LoadReport | None = None) -> Workload:
     """The trace's workload (``--rate-scale``: an open-loop one replayed that much faster);
     entries the loaders skipped or defaulted are counted in ``report``."""
-    from loadtest import traces
-
-    scale = getattr(args, "rate_scale", 1.0)
+    scale = args.rate_scale
     workload = _workload(args, report)
     try:
         return workload if scale == 1.0 else traces.rate_scaled(workload, scale)
@@ -116,16 +117,20 @@ def _workload(args: argparse.Namespace, report: LoadReport | None) -> Workload:
     if args.format == "synthetic-shared" or args.trace == ["synthetic-shared"]:
         from loadtest import shared_prefix
 
-        return shared_prefix.generate(seed=args.seed, half=args.shared_half).limited(args.limit_sessions)
+        return shared_prefix.generate(seed=args.seed, half=args.half or "tuning").limited(args.limit_sessions)
     if args.format == "synthetic" or args.trace == ["synthetic"]:
         from loadtest.synthetic import SyntheticParams, generate
 
-        params = SyntheticParams(sessions=args.limit_sessions or 64).scaled(args.synthetic_scale)
-        return generate(params, seed=args.seed)
-    from loadtest import traces
-
-    limit = None if args.limit_sessions is None else args.skip_sessions + args.limit_sessions
-    workload = traces.load([Path(t) for t in args.trace], args.format, limit, report)
+        params = SyntheticParams(sessions=(args.limit_sessions or 64) + args.skip_sessions).scaled(args.synthetic_scale)
+        workload = generate(params, seed=args.seed)
+    else:
+        limit = None if args.limit_sessions is None else args.skip_sessions + args.limit_sessions
+        workload = traces.load([Path(t) for t in args.trace], args.format, limit, report)
+    if args.half:
+        try:
+            workload = traces.half(workload, args.half)
+        except traces.TraceError as exc:
+            raise SystemExit(f"kvgate simulate: --half: {exc}") from None
     if args.skip_sessions <= 0:
         return workload
     return Workload(workload.name, workload.sessions[args.skip_sessions:], workload.open_loop)
@@ -207,7 +212,8 @@ def fleet_name(cfg: SimConfig) -> str:
 
 def config_dict(args: argparse.Namespace, cfg: SimConfig, workload: Workload) -> dict[str, Any]:
     return {"trace": args.trace, "format": workload.name, "sessions": len(workload.sessions),
-            "skip_sessions": args.skip_sessions, "kv_scale": args.kv_scale,
+            "skip_sessions": args.skip_sessions, "half": args.half,
+            "rate_scale": args.rate_scale, "kv_scale": args.kv_scale,
             "trace_requests": workload.request_count(), "profile": fleet_name(cfg), "speeds": cfg.speeds,
             "context_length": cfg.profile.context_length, "replicas": cfg.replicas,
             "gpus_per_replica": cfg.gpus_per_replica, "pacing": dataclasses.asdict(cfg.pacing),

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from loadtest.workload import Session, Turn, Workload, delta_encode
 
@@ -214,6 +215,29 @@ def rate_scaled(workload: Workload, factor: float) -> Workload:
                                                         for t in s.turns))
                      for s in workload.sessions)
     return Workload(workload.name, sessions, open_loop=True)
+
+
+HALVES = ("tuning", "validation")
+
+
+def half(workload: Workload, which: str) -> Workload:
+    """One of two disjoint halves of an open-loop workload, for held-out evaluation: sessions
+    are split by the first hash block of their first turn (a stable hash of it), so that
+    requests sharing their first block (an app's system prompt, a shared document) all fall
+    in one half and nothing one half teaches a policy is seen by the other. Each half keeps
+    its recorded arrival times: about half the rate (replay it with ``rate_scaled(.., 2)``
+    for the whole trace's load)."""
+    if which not in HALVES:
+        raise TraceError(f"half must be one of {', '.join(HALVES)}, not {which!r}")
+    if not workload.open_loop:
+        raise TraceError(f"{workload.name} is replayed closed loop: take a slice of its sessions instead")
+    want = HALVES.index(which)
+
+    def side(s: Session) -> int:
+        first = s.turns[0].new_hash_ids[:1] if s.turns else ()
+        return xxhash.xxh64_intdigest(f"{s.namespace}/{first[0] if first else s.id}".encode()) & 1
+
+    return Workload(f"{workload.name}-{which}", tuple(s for s in workload.sessions if side(s) == want), True)
 
 
 # ---- Claude Code -------------------------------------------------------------------

@@ -1,16 +1,17 @@
 """The shared-prefix generator: seeded, its shape, no session ids, disjoint halves; and
-open-loop rate scaling."""
+open-loop rate scaling and the halves of a recorded trace."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 
 import pytest
 
 from loadtest import traces
 from loadtest.percentile import percentile
 from loadtest.shared_prefix import SharedPrefixParams, generate
-from loadtest.workload import Workload
+from loadtest.workload import Session, Turn, Workload
 
 SMALL = SharedPrefixParams(duration_s=600.0)
 
@@ -81,6 +82,30 @@ def test_rate_scaled_divides_arrivals() -> None:
         traces.rate_scaled(Workload("claude-code", w.sessions), 2.0)
 
 
+def _first_block(s: Session) -> int:
+    return s.turns[0].new_hash_ids[0]
+
+
+def test_a_recorded_trace_splits_by_its_first_block() -> None:
+    """Two disjoint halves that together are the trace, in the trace's order; every
+    session sharing a first block with another falls in the same half as it."""
+    rng = random.Random(0)
+    sessions = tuple(Session(f"s{i}", "ns", 512, (Turn(0.0, 1024, 4, 0, (rng.randrange(30), 1000 + i),
+                                                        arrival_s=i * 0.5),))
+                     for i in range(400))
+    w = Workload("mooncake", sessions, open_loop=True)
+    tuning, validation = traces.half(w, "tuning"), traces.half(w, "validation")
+    assert sorted(tuning.sessions + validation.sessions, key=lambda s: int(s.id[1:])) == list(sessions)
+    assert list(tuning.sessions) == [s for s in sessions if s in tuning.sessions]
+    assert {_first_block(s) for s in tuning.sessions}.isdisjoint({_first_block(s) for s in validation.sessions})
+    assert 100 < len(tuning.sessions) < 300
+    assert traces.half(w, "tuning") == tuning
+    with pytest.raises(traces.TraceError, match="half must be"):
+        traces.half(w, "test")
+    with pytest.raises(traces.TraceError, match="closed loop"):
+        traces.half(Workload("claude-code", sessions), "tuning")
+
+
 def test_kvgate_simulate_reaches_it() -> None:
     import argparse
 
@@ -88,9 +113,29 @@ def test_kvgate_simulate_reaches_it() -> None:
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--trace", "synthetic-shared", "--shared-half", "validation", "--rate-scale", "2",
+    args = p.parse_args(["--trace", "synthetic-shared", "--half", "validation", "--rate-scale", "2",
                          "--limit-sessions", "5", "--seed", "7"])
     w = load_workload(args)
     want = generate(seed=7, half="validation").limited(5)
     assert [t.arrival_s / 2 for s in want.sessions for t in s.turns] == [
         t.arrival_s for s in w.sessions for t in s.turns]
+
+
+def test_kvgate_simulate_takes_a_half_of_a_recorded_trace(tmp_path: pytest.TempPathFactory) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    from loadtest.simulate_cmd import add_arguments, load_workload
+
+    path = Path(str(tmp_path)) / "trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 1024, "output_length": 4,
+                                        "hash_ids": [i % 23, 100 + i]}) + "\n" for i in range(60)))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    whole = load_workload(p.parse_args(["--trace", str(path)]))
+    halves = [load_workload(p.parse_args(["--trace", str(path), "--half", h])) for h in traces.HALVES]
+    assert sorted(s.id for h in halves for s in h.sessions) == sorted(s.id for s in whole.sessions)
+    assert all(h.sessions for h in halves)
+    with pytest.raises(SystemExit, match="--half: .*closed loop"):
+        load_workload(p.parse_args(["--trace", "synthetic", "--half", "tuning", "--limit-sessions", "2"]))
