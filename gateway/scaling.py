@@ -298,7 +298,8 @@ class ScaleLoop:
             raise UnknownGroup(group)
         scope = report.ranking(group)
         active = [h.url for h in scope if h.state is ReplicaState.ACTIVE]
-        chosen = sorted(active, key=lambda u: (u not in self.marks.manual, active.index(u)))[:max(0, count)]
+        marked = self.marks.manual  # marked first, each part in the ranking's order (sorted is stable)
+        chosen = sorted(active, key=lambda u: u not in marked)[:max(0, count)]
         self.marks.set_manual((self.marks.manual - {h.url for h in scope}) | set(chosen))
         return await self.evaluate()
 
