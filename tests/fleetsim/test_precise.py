@@ -11,11 +11,11 @@ import pytest
 
 from gateway.cli import main
 from gateway.sglang_pages import page_hashes
+from loadtest import traces
 from loadtest.fleetsim.precise import PreciseFleetIndex, SglangPages
 from loadtest.fleetsim.prompts import SessionPrompt
 from loadtest.fleetsim.run import FleetRun, SimConfig
 from loadtest.fleetsim.sync import finished
-from loadtest.simulate_cmd import load_workload
 from loadtest.simulator.profile import load_profile
 from prefix_index.base import ReplicaId
 from replicas.kv_events import BlockStored, EventBatch, PublisherEndpoint
@@ -50,8 +50,7 @@ def _run(workload: Any, mode: str, kv_scale: float = 0.25) -> FleetRun:
 
 
 def _workload(folder: Path) -> Any:
-    args = type("A", (), {"format": None, "trace": [str(folder)], "limit_sessions": None, "skip_sessions": 0})()
-    return load_workload(args)
+    return traces.load([folder])
 
 
 def test_precise_index_is_the_engines_cache(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from loadtest import traces
 from loadtest.fleetsim.run import FleetRun, SimConfig
-from loadtest.simulate_cmd import load_workload
 from loadtest.simulator.profile import load_profile
 from policies.base import Decision, RequestContext, RoutingInputs
 from policies.routing import is_exact
@@ -16,8 +16,7 @@ from tests.fleetsim.support import write_claude_traces
 
 
 def _workload(folder: Path) -> Any:
-    args = type("A", (), {"format": None, "trace": [str(folder)], "limit_sessions": None, "skip_sessions": 0})()
-    return load_workload(args)
+    return traces.load([folder])
 
 
 def _spied_run(workload: Any, mode: str) -> tuple[FleetRun, list[tuple[RoutingInputs, Decision]]]:
