@@ -78,8 +78,10 @@ class FleetSizedIndex(EmbeddedMethods):
             return segments.match_now(hashes, replicas)
         if segments is None:
             return compact.match_now(hashes, replicas)
-        old = [r for r in replicas if segments.holds(r)]
-        new = [r for r in replicas if not segments.holds(r)]
+        old: list[ReplicaId] = []
+        new: list[ReplicaId] = []
+        for r in replicas:
+            (old if segments.holds(r) else new).append(r)
         found = segments.match_now(hashes, old) if old else {}
         if new:
             found.update(compact.match_now(hashes, new))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -121,14 +123,12 @@ def test_kvgate_simulate_reaches_it() -> None:
         t.arrival_s for s in w.sessions for t in s.turns]
 
 
-def test_kvgate_simulate_takes_a_half_of_a_recorded_trace(tmp_path: pytest.TempPathFactory) -> None:
+def test_kvgate_simulate_takes_a_half_of_a_recorded_trace(tmp_path: Path) -> None:
     import argparse
-    import json
-    from pathlib import Path
 
     from loadtest.simulate_cmd import add_arguments, load_workload
 
-    path = Path(str(tmp_path)) / "trace.jsonl"
+    path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 1024, "output_length": 4,
                                         "hash_ids": [i % 23, 100 + i]}) + "\n" for i in range(60)))
     p = argparse.ArgumentParser()
