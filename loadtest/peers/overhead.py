@@ -1,8 +1,9 @@
 """`kvgate bench peers --overhead`: the latency and CPU each router adds, side by side, one run.
 
 Method (``loadtest.bench_gateway.measure_interleaved``): every target runs at once in
-front of one simulated replica (``kimi-k2.6-b200-tp8`` profile at ``--time-scale 1e6``,
-so compute is ~0 and a 400 KB prompt fits its context); keep-alive connections; each
+front of one simulated replica (``kimi-k2.6-b200-tp8`` profile at ``--replica-time-scale``,
+default 1e6: compute is ~0 and a 400 KB prompt fits its context; at 5 a stream's tokens
+are paced as on a fleet, one SSE chunk per read); keep-alive connections; each
 round sends ``c`` concurrent requests straight to the replica, then ``c`` through the
 first router, then ``c`` direct again and ``c`` through the second, and so on, so a
 drift of the machine hits every router and its direct samples alike; a router's CPU
@@ -92,6 +93,7 @@ class Options:
     max_rate_steps: int = 12
     max_rate_p99_ms: float = 10.0
     stream_tokens: int = 8  # output tokens of a streamed case (one SSE chunk each)
+    replica_time_scale: float = 1e6  # the replica's compute ~0; e.g. 5: a stream paced as on a fleet
     sequential: bool = False  # the targets' cases one target after the other (the others idle)
     pin_routers: tuple[int, ...] = ()  # CPUs for the routers (the client and replica on the rest); () none
 
@@ -238,7 +240,8 @@ def overhead_rows(
             stack.enter_context(on_cpus(rest))
             console.print(f"pinned: routers on CPU {sorted(routers_cpus)}, the bench's client and the replica on "
                           f"{sorted(rest)}")
-        fleet = stack.enter_context(SimFleet(1, profile=PROFILE, time_scale=1e6, seed=1, log_dir=log_dir))
+        fleet = stack.enter_context(SimFleet(1, profile=PROFILE, time_scale=opts.replica_time_scale, seed=1,
+                                                  log_dir=log_dir))
         replica = fleet.urls[0]
         opened: list[tuple[str, str, int]] = []
         for target in targets:
@@ -335,6 +338,10 @@ def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentG
     parser.add_argument("--max-rate-p99-ms", type=float, default=d.max_rate_p99_ms)
     parser.add_argument("--stream-tokens", type=int, default=d.stream_tokens,
                         help="output tokens (SSE chunks) per streamed request: the per-chunk relay cost")
+    parser.add_argument("--replica-time-scale", type=float, default=d.replica_time_scale,
+                        help="the simulated replica's time scale (default 1e6: compute ~0, a short stream "
+                             "arrives in a few reads; 5: tokens paced at a fifth of decode time, one SSE "
+                             "chunk per read, as on a live fleet)")
     parser.add_argument("--sequential", action="store_true",
                         help="measure the targets one after the other (all started; only the measured one gets "
                              "requests) instead of interleaving their rounds")

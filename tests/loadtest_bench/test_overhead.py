@@ -55,6 +55,19 @@ def test_stream_tokens_sets_the_streamed_cases_length() -> None:
     assert Options().stream_tokens == 8
 
 
+def test_a_paced_replica_streams_one_chunk_per_token(tmp_path: Path) -> None:
+    """``--replica-time-scale 5``: the replica paces its tokens (the per-chunk relay cost as on
+    a fleet); the default keeps compute ~0."""
+    assert Options().replica_time_scale == 1e6
+    out = tmp_path / "paced.json"
+    code = main(["--targets", "kvgate", "--small", "0", "--large", "3", "--kbs", "100", "--concurrency", "1",
+                 "--stream-tokens", "40", "--replica-time-scale", "5", "--resamples", "20", "--json", str(out)])
+    doc = orjson.loads(out.read_bytes())
+    assert code == 0 and doc["options"]["replica_time_scale"] == 5.0
+    streamed = [r for r in doc["overhead"] if r["stream"] and r["metric"] == "end"]
+    assert len(streamed) == 1 and streamed[0]["n"] == 3 and "error" not in streamed[0]
+
+
 def test_rows_state_counts_and_flag_p999() -> None:
     opts = Options(resamples=50)
     case = next(c for c, _ in cases(opts) if c.stream)
