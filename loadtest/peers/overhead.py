@@ -92,7 +92,7 @@ class Options:
     max_rate_n: int = 1000  # samples per side and step at least: a supported p99
     max_rate_steps: int = 12
     max_rate_p99_ms: float = 10.0
-    stream_tokens: int = 8  # output tokens of a streamed case (one SSE chunk each)
+    stream_tokens: int = 8  # output tokens of a streamed case (the replica sends several an SSE event)
     replica_time_scale: float = 1e6  # the replica's compute ~0; e.g. 5: a stream paced as on a fleet
     sequential: bool = False  # the targets' cases one target after the other (the others idle)
     pin_routers: tuple[int, ...] = ()  # CPUs for the routers (the client and replica on the rest); () none
@@ -337,7 +337,8 @@ def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentG
     parser.add_argument("--max-rate-steps", type=int, default=d.max_rate_steps)
     parser.add_argument("--max-rate-p99-ms", type=float, default=d.max_rate_p99_ms)
     parser.add_argument("--stream-tokens", type=int, default=d.stream_tokens,
-                        help="output tokens (SSE chunks) per streamed request: the per-chunk relay cost")
+                        help="output tokens per streamed request (the simulated replica sends ~8 an SSE event "
+                             "when paced): the per-chunk relay cost")
     parser.add_argument("--replica-time-scale", type=float, default=d.replica_time_scale,
                         help="the simulated replica's time scale (default 1e6: compute ~0, a short stream "
                              "arrives in a few reads; 5: tokens paced at a fifth of decode time, one SSE "

@@ -24,11 +24,10 @@ from pathlib import Path
 import httpx
 import orjson
 
+from loadtest.bench_gateway import JSON, PROFILE
+from loadtest.bench_peers import discover_model
 from loadtest.peers.targets import open_target, parse_targets
 from loadtest.simulator.fleet import SimFleet
-
-PROFILE = "kimi-k2.6-b200-tp8"
-JSON = {"content-type": "application/json"}
 
 
 def sleeps_by_thread(pid: int) -> dict[str, tuple[str, int]]:
@@ -76,8 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvgate-wakeups-") as tmp, \
             SimFleet(1, profile=PROFILE, time_scale=args.time_scale, seed=1, log_dir=Path(tmp)) as fleet:
-        model = httpx.get(fleet.urls[0] + "/v1/models", timeout=10.0, trust_env=False).json()["data"][0]["id"]
-        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hello " * 2000}],
+        body = orjson.dumps({"model": discover_model(fleet.urls[0]), "messages": [{"role": "user", "content": "hello " * 2000}],
                              "max_tokens": args.tokens, "stream": True})
         for target in targets:
             with open_target(target, fleet.urls, Path(tmp), (), args.time_scale) as (url, pid):

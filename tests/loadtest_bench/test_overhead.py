@@ -55,7 +55,7 @@ def test_stream_tokens_sets_the_streamed_cases_length() -> None:
     assert Options().stream_tokens == 8
 
 
-def test_a_paced_replica_streams_one_chunk_per_token(tmp_path: Path) -> None:
+def test_a_paced_replica_run_records_its_time_scale(tmp_path: Path) -> None:
     """``--replica-time-scale 5``: the replica paces its tokens (the per-chunk relay cost as on
     a fleet); the default keeps compute ~0."""
     assert Options().replica_time_scale == 1e6
