@@ -24,8 +24,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from loadtest.bench_gateway import JSON, PROFILE
-from loadtest.bench_peers import discover_model
+from loadtest.bench_gateway import JSON, MODEL, PROFILE
 from loadtest.peers.targets import open_target, parse_targets
 from loadtest.simulator.fleet import SimFleet
 
@@ -75,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvgate-wakeups-") as tmp, \
             SimFleet(1, profile=PROFILE, time_scale=args.time_scale, seed=1, log_dir=Path(tmp)) as fleet:
-        body = orjson.dumps({"model": discover_model(fleet.urls[0]), "messages": [{"role": "user", "content": "hello " * 2000}],
+        body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 2000}],
                              "max_tokens": args.tokens, "stream": True})
         for target in targets:
             with open_target(target, fleet.urls, Path(tmp), (), args.time_scale) as (url, pid):
