@@ -337,7 +337,7 @@ def add_overhead_arguments(parser: argparse.ArgumentParser | argparse._ArgumentG
     parser.add_argument("--max-rate-steps", type=int, default=d.max_rate_steps)
     parser.add_argument("--max-rate-p99-ms", type=float, default=d.max_rate_p99_ms)
     parser.add_argument("--stream-tokens", type=int, default=d.stream_tokens,
-                        help="output tokens per streamed request (the simulated replica sends ~8 an SSE event "
+                        help="output tokens per streamed request (the simulated replica sends several an SSE event "
                              "when paced): the per-chunk relay cost")
     parser.add_argument("--replica-time-scale", type=float, default=d.replica_time_scale,
                         help="the simulated replica's time scale (default 1e6: compute ~0, a short stream "
